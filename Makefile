@@ -1,0 +1,56 @@
+# vLLM elastic/distributed KV patch series. `make help` lists the targets.
+PYTHON ?= python3
+VLLM_VERSION ?= $(shell $(PYTHON) -c 'import tomllib;print(tomllib.load(open("ci/matrix.toml","rb"))["default"])')
+export VLLM_VERSION
+VENV ?= build/venv-$(VLLM_VERSION)
+S := $(PYTHON) scripts
+
+.PHONY: help setup apply install smoke refresh export check-series overlay-install \
+        overlay-uninstall test test-harness test-release test-gpu clean-tree clean
+
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t22
+
+setup: apply install smoke  ## fresh machine: apply + install the default release, run a smoke
+
+apply:  ## build/vllm-X = pristine sdist (tag vX) + overlay + patches/vX/series
+	$(S)/apply.py
+
+install:  ## editable install of build/vllm-X into $(VENV) with prebuilt kernels (VLLM_KERNELS=cpu|cuda|none)
+	$(S)/install.py --venv $(VENV)
+
+smoke:  ## short end-to-end generation through the patched engine
+	$(VENV)/bin/python scripts/smoke.py
+
+refresh:  ## write the build tree's commits back to patches/vX/
+	$(S)/refresh.py
+
+export:  ## the series as upstream-ready patches with Signed-off-by, in build/export/
+	$(S)/export.py
+
+check-series:  ## apply every release's series to its pristine tree; print a table
+	$(S)/check_series.py
+
+overlay-install:  ## lay the series over an installed vLLM: SITE=<site-packages>
+	$(S)/overlay_install.py --site "$(SITE)"
+
+overlay-uninstall:  ## restore the installed vLLM from the backup: SITE=<site-packages>
+	$(S)/overlay_install.py --site "$(SITE)" --uninstall
+
+test:  ## every release in ci/matrix.toml at its CI tiers (what CI runs)
+	$(S)/run_tests.py
+
+test-harness:  ## the harness's own tests only
+	$(S)/run_tests.py --tiers harness
+
+test-release:  ## one release (VLLM_VERSION) at its CI tiers
+	$(S)/run_tests.py --version $(VLLM_VERSION)
+
+test-gpu:  ## on a GPU host: each release's gpu tiers
+	$(S)/run_tests.py --gpu
+
+clean-tree:  ## delete build/vllm-X; refuses if it holds work not in the series (FORCE=1 overrides)
+	$(S)/clean.py
+
+clean:  ## delete build/ (trees, virtualenvs, exports) with the same check; the sdist cache stays
+	$(S)/clean.py --all

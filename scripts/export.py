@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Export the whole series of a release (overlay included) as upstream-ready patches.
+
+  python3 scripts/export.py --version 0.32.0 [--out DIR]
+
+Writes `git format-patch` files of every commit after the pristine tag into
+build/export/vllm-X/ (or --out), with your Signed-off-by added (DCO) and the overlay commit
+authored by you. Refuses if the build tree is not exactly the current series.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from buildtree import commits_after, is_build_tree, require_clean  # noqa: E402
+from seriestool import (  # noqa: E402
+    HARNESS_IDENT, SeriesError, build_dir, format_patch_args, get_release, main_guard,
+    overlay_digest, read_state, run,
+)
+from buildtree import desired_patches  # noqa: E402
+
+
+def user_ident(tree: Path) -> tuple[str, str]:
+    proc = run(["git", "var", "GIT_AUTHOR_IDENT"], cwd=tree, check=False)
+    m = re.match(r"(.*) <(.*)> \d+ [+-]\d{4}$", (proc.stdout or "").strip())
+    if proc.returncode != 0 or not m or m.group(2) == HARNESS_IDENT["GIT_AUTHOR_EMAIL"]:
+        raise SeriesError(
+            "git does not know who you are, so the export cannot carry your Signed-off-by.",
+            "Set it: `git config --global user.name 'Your Name'` and "
+            "`git config --global user.email you@example.com`, then export again.",
+        )
+    return m.group(1), m.group(2)
+
+
+def export(release, out: Path) -> list[Path]:
+    tree = release.tree
+    if not is_build_tree(tree, release):
+        raise SeriesError(f"there is no build tree at {tree}.",
+                          f"Run `make apply VLLM_VERSION={release.version}` first.")
+    require_clean(tree, release, "export")
+    state = read_state(tree)
+    commits = commits_after(tree, release.tag)
+    in_sync = (
+        state.get("overlay", {}).get("digest") == overlay_digest()
+        and [(p["name"], p["digest"]) for p in state.get("patches", [])] == desired_patches(release)
+        and commits == [state["overlay"]["commit"]] + [p["commit"] for p in state["patches"]]
+    )
+    if not in_sync:
+        raise SeriesError(
+            f"the build tree {tree} is not exactly the current series of {release.tag}.",
+            f"Run `make refresh VLLM_VERSION={release.version}` to save your commits, or "
+            f"`make apply VLLM_VERSION={release.version}` to bring the tree up to date, then "
+            "export again.",
+        )
+    name, email = user_ident(tree)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    # The user's own git config applies here (identity for --signoff), unlike harness commits.
+    args = [a for a in format_patch_args() if a != "--zero-commit"]
+    run(["git", *args, "--signoff", "-o", str(out), f"{release.tag}..HEAD"], cwd=tree)
+    files = sorted(out.glob("*.patch"))
+    harness_from = f"From: {HARNESS_IDENT['GIT_AUTHOR_NAME']} <{HARNESS_IDENT['GIT_AUTHOR_EMAIL']}>"
+    for f in files:
+        text = f.read_text()
+        text = text.replace(harness_from, f"From: {name} <{email}>", 1)
+        if "\nSigned-off-by: " not in text.split("\n---\n", 1)[0]:
+            raise SeriesError(f"{f.name} has no Signed-off-by line after export.")
+        f.write_text(text)
+    return files
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--version", default=os.environ.get("VLLM_VERSION") or None)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    release = get_release(args.version)
+    out = args.out or build_dir() / "export" / f"vllm-{release.version}"
+    files = export(release, out)
+    print(f"{len(files)} upstream-ready patches in {out}:")
+    for f in files:
+        print(f"  {f.name}")
+    print(f"Send one as a PR: git -C <your vllm clone> am {out}/<patch>")
+
+
+if __name__ == "__main__":
+    main_guard(main)

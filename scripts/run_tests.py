@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Run the test tiers: the harness, then for each release its tiers from ci/matrix.toml.
+
+  python3 scripts/run_tests.py                       # every release, its ci_tiers (make test)
+  python3 scripts/run_tests.py --version 0.32.0      # one release
+  python3 scripts/run_tests.py --tiers unit,engine   # chosen tiers
+  python3 scripts/run_tests.py --gpu                 # a GPU host: each release's gpu_tiers
+
+For each release: `make apply`, `make install` (CPU kernels where the matrix says they install,
+else python-only), then the tiers with that release's virtualenv. Prints one table and a
+closing "N passed, N failed, N skipped" line summed over every pytest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from buildtree import apply_series  # noqa: E402
+from install import default_venv, detect_kernels, install  # noqa: E402
+from seriestool import ROOT, SeriesError, git_out, load_matrix, main_guard  # noqa: E402
+
+ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def series_tests(release) -> list[str]:
+    """Test files the series adds or changes in the tree (upstream layout), relative to it."""
+    out = git_out(release.tree, "diff", "--name-only", "--diff-filter=AM", f"{release.tag}..HEAD",
+                  "--", "tests")
+    return [p for p in out.split() if Path(p).name.startswith("test_") and p.endswith(".py")]
+
+
+def pytest(python: str, args: list[str], cwd: Path, label: str, results: list) -> None:
+    with tempfile.NamedTemporaryFile(suffix=".xml", delete=False) as f:
+        xml = f.name
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
+    print(f"\n=== {label}: {' '.join(cmd)}  (in {cwd})", flush=True)
+    rc = subprocess.call(cmd, cwd=cwd, env={**os.environ, **ENV})
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    try:
+        for suite in ET.parse(xml).getroot().iter("testsuite"):
+            total = int(suite.get("tests", 0))
+            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            skipped = int(suite.get("skipped", 0))
+            counts["failed"] += failed
+            counts["skipped"] += skipped
+            counts["passed"] += total - failed - skipped
+    except (ET.ParseError, FileNotFoundError):
+        pass
+    finally:
+        Path(xml).unlink(missing_ok=True)
+    if rc not in (0, 5) and counts["failed"] == 0:
+        counts["failed"] = 1  # pytest itself failed (collection error, crash)
+    results.append((label, rc, counts))
+
+
+def run_release(release, tiers: list[str], results: list) -> None:
+    v = release.version
+    try:
+        print(f"\n=== vLLM {v}: {apply_series(release)}", flush=True)
+        kernels = os.environ.get("VLLM_KERNELS") or (
+            detect_kernels() if "gpu" in tiers else ("cpu" if release.cpu_kernels else "none"))
+        venv = default_venv(release)
+        print(install(release, venv, kernels), flush=True)
+    except SeriesError as e:
+        print(e.render(), file=sys.stderr)
+        results.append((f"{v} setup", 1, {"passed": 0, "failed": 1, "skipped": 0}))
+        return
+    python = str(venv / "bin" / "python")
+    for tier in tiers:
+        if tier == "harness":
+            continue  # release-independent, run once
+        if tier == "unit":
+            tests = series_tests(release)
+            if tests:
+                pytest(python, ["-m", "not gpu", "--timeout=600", *tests], release.tree,
+                       f"{v} unit (series tests in tree)", results)
+            if any((ROOT / "tests" / "unit").glob("test_*.py")):
+                pytest(python, ["--timeout=600", "tests/unit"], ROOT, f"{v} unit", results)
+        elif tier == "engine":
+            pytest(python, ["--timeout=900", "tests/engine"], ROOT, f"{v} engine", results)
+        elif tier == "gpu":
+            tests = series_tests(release)
+            pytest(python, ["--timeout=900", "tests/gpu", *[str(release.tree / t) for t in tests]],
+                   ROOT, f"{v} gpu", results)
+        elif tier == "upstream":
+            proc = subprocess.call([sys.executable, str(ROOT / "scripts" / "upstream_test.py"),
+                                    "--version", v])
+            results.append((f"{v} upstream", proc, {"passed": 0, "failed": int(proc != 0),
+                                                    "skipped": 0}))
+        else:
+            raise SeriesError(f"unknown test tier {tier!r} in ci/matrix.toml.")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--version", default=os.environ.get("VLLM_VERSION") or None)
+    p.add_argument("--tiers", default=None, help="comma-separated; default: the matrix's")
+    p.add_argument("--gpu", action="store_true", help="run each release's gpu_tiers")
+    args = p.parse_args()
+    _, releases = load_matrix()
+    chosen = [releases[args.version]] if args.version else list(releases.values())
+    if args.version and args.version not in releases:
+        from seriestool import get_release
+        get_release(args.version)  # raises the operator error
+    results: list = []
+
+    def tiers_of(r):
+        if args.tiers:
+            return args.tiers.split(",")
+        return r.gpu_tiers if args.gpu else r.ci_tiers
+
+    if any("harness" in tiers_of(r) for r in chosen):
+        pytest(sys.executable, ["--timeout=900", "tests/harness"], ROOT, "harness", results)
+    for release in chosen:
+        tiers = tiers_of(release)
+        if [t for t in tiers if t != "harness"]:
+            run_release(release, tiers, results)
+
+    print("\n=== summary")
+    total = {"passed": 0, "failed": 0, "skipped": 0}
+    for label, rc, c in results:
+        status = "ok" if rc in (0, 5) and c["failed"] == 0 else "FAILED"
+        print(f"  {label:<40} {status:<7} {c['passed']} passed, {c['failed']} failed, "
+              f"{c['skipped']} skipped")
+        for k in total:
+            total[k] += c[k]
+    print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    return 0 if total["failed"] == 0 and total["passed"] > 0 else 1
+
+
+if __name__ == "__main__":
+    main_guard(main)

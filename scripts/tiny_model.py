@@ -1,0 +1,45 @@
+"""Small dummy-weight models derived from the public configs in ../shared/models.
+
+The architecture and tensor layout stay those of the real model; only sizes shrink, so a real
+vLLM engine builds and runs it on 2 CPU cores in seconds. Weights come from
+load_format="dummy"; no tokenizer is needed (skip_tokenizer_init=True, token-id prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MODELS = Path(os.environ.get("KVSERIES_MODELS",
+                             Path(__file__).resolve().parent.parent.parent / "shared" / "models"))
+
+TINY_LLAMA = {
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+def public_config(name: str) -> dict:
+    path = MODELS / name / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: set KVSERIES_MODELS to the directory of public model configs")
+    return json.loads(path.read_text())
+
+
+def make_tiny_model(dest: Path, base: str = "Llama-3.1-8B-Instruct", **overrides) -> Path:
+    """Write config.json of a shrunk `base` into dest; returns dest (a model directory)."""
+    config = public_config(base)
+    config.update(TINY_LLAMA if base.startswith("Llama") else {})
+    config.update(overrides)
+    config.pop("rope_scaling", None) if config.get("max_position_embeddings", 0) <= 8192 else None
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest

@@ -1,0 +1,220 @@
+"""apply / refresh / export / check-series on fixture releases (see conftest.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from conftest import Project, add_patch, make_sdist, write_matrix
+
+V1, V2 = "1.0.0", "2.0.0"
+
+
+def series_bytes(project: Project, version: str) -> dict[str, bytes]:
+    d = project.patches / f"v{version}"
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_apply_builds_pristine_overlay_and_series(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 300\n",
+              "[Core] Make f3 bigger")
+    shutil.rmtree(project.tree(V1))
+    out = project.run("apply.py", "--version", V1).stdout
+    assert "applied 0001-Core-Make-f3-bigger.patch" in out
+    log = project.git(V1, "log", "--format=%s").splitlines()
+    assert log == ["[Core] Make f3 bigger", "[Core] Overlay", f"vLLM {V1} (pristine sdist)"]
+    assert project.git(V1, "describe", "--tags", "--abbrev=0") == f"v{V1}"
+    # The sdist's .gitignore'd file is part of the pristine commit; overlay files are added.
+    assert project.git(V1, "ls-files", "vllm/_version.py") == "vllm/_version.py"
+    assert (project.tree(V1) / "vllm" / "newpkg" / "__init__.py").read_text() == "X = 1\n"
+    assert "return x + 300" in (project.tree(V1) / "vllm" / "core.py").read_text()
+
+
+def test_apply_is_idempotent_and_reproducible(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    head = project.git(V1, "rev-parse", "HEAD")
+    out = project.run("apply.py", "--version", V1).stdout
+    assert "already applied" in out and "nothing to do" in out
+    assert project.git(V1, "rev-parse", "HEAD") == head
+    # Build trees made from the same inputs have the same commit ids (fixed identity/dates).
+    shutil.rmtree(project.tree(V1))
+    project.run("apply.py", "--version", V1)
+    rebuilt = project.git(V1, "rev-parse", "HEAD")
+    shutil.rmtree(project.tree(V1))
+    project.run("apply.py", "--version", V1)
+    assert project.git(V1, "rev-parse", "HEAD") == rebuilt
+
+
+def test_apply_picks_up_new_patches_and_overlay_changes(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    first = project.git(V1, "rev-parse", "HEAD")
+    add_patch(project, V1, "vllm/core.py", "return x + 5\n", "return x + 50\n", "[Core] B")
+    assert project.git(V1, "rev-parse", "HEAD~1") == first
+    (project.overlay / "vllm" / "newpkg" / "__init__.py").write_text("X = 2\n")
+    out = project.run("apply.py", "--version", V1).stdout
+    assert "overlay: 1 files committed" in out and "applied 0002-Core-B.patch" in out
+    assert (project.tree(V1) / "vllm" / "newpkg" / "__init__.py").read_text() == "X = 2\n"
+
+
+def test_apply_refuses_dirty_tree_and_keeps_the_edit(project: Project):
+    project.run("apply.py", "--version", V1)
+    core = project.tree(V1) / "vllm" / "core.py"
+    core.write_text(core.read_text() + "# my local edit\n")
+    (project.tree(V1) / "notes.txt").write_text("mine\n")
+    (project.overlay / "vllm" / "newpkg" / "__init__.py").write_text("X = 3\n")  # would rebuild
+    proc = project.run("apply.py", "--version", V1, check=False)
+    assert proc.returncode == 1
+    assert "local changes" in proc.stderr and "vllm/core.py" in proc.stderr
+    assert "notes.txt" in proc.stderr and "make refresh" in proc.stderr
+    assert core.read_text().endswith("# my local edit\n")
+    assert (project.tree(V1) / "notes.txt").exists()
+
+
+def test_apply_refuses_commits_not_in_series(project: Project):
+    project.run("apply.py", "--version", V1)
+    project.commit_in_tree(V1, "vllm/core.py", "changed = True\n", "[Core] My work")
+    (project.overlay / "vllm" / "newpkg" / "__init__.py").write_text("X = 4\n")
+    proc = project.run("apply.py", "--version", V1, check=False)
+    assert proc.returncode == 1
+    assert "[Core] My work" in proc.stderr and "make refresh" in proc.stderr
+    assert project.git(V1, "log", "-1", "--format=%s") == "[Core] My work"
+    # And a clean of that tree refuses too.
+    proc = project.run("clean.py", "--version", V1, check=False)
+    assert proc.returncode == 1 and project.tree(V1).exists()
+
+
+def test_refresh_right_after_apply_changes_no_byte(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    add_patch(project, V1, "vllm/__init__.py", "__version__\n", "__version__  # noqa\n",
+              "[Misc] B with a long subject line that git folds in the mail header of the file")
+    before = series_bytes(project, V1)
+    shutil.rmtree(project.tree(V1))
+    project.run("apply.py", "--version", V1)
+    project.run("refresh.py", "--version", V1)
+    assert series_bytes(project, V1) == before
+    series = (project.patches / f"v{V1}" / "series").read_text()
+    assert series.startswith("# series of the fixture\n")  # header comments are kept
+
+
+def test_refresh_writes_new_commits_with_stable_names(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    project.commit_in_tree(V1, "vllm/core.py",
+                           (project.tree(V1) / "vllm/core.py").read_text() + "# B\n", "[Core] B")
+    out = project.run("refresh.py", "--version", V1).stdout
+    assert "0002-Core-B.patch" in out
+    names = (project.patches / f"v{V1}" / "series").read_text().split()
+    assert names[-2:] == ["0001-Core-A.patch", "0002-Core-B.patch"]
+    text = (project.patches / f"v{V1}" / "0002-Core-B.patch").read_text()
+    assert text.startswith("From 0000000000000000000000000000000000000000 ")
+    assert "Subject: [PATCH] [Core] B" in text and "Signed-off-by: Test Dev" in text
+    assert "\n-- \n" not in text  # no git version signature: stable across git versions
+    assert "already applied" in project.run("apply.py", "--version", V1).stdout
+
+
+def test_failing_patch_names_patch_file_and_hunk(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 7\n", "return x + 70\n", "[Core] Seven")
+    add_patch(project, V1, "vllm/core.py", "return x + 9\n", "return x + 90\n", "[Core] Nine")
+    # Release 2.0.0 where f7's body differs: the first patch no longer applies.
+    sha = make_sdist(project.root / "cache" / f"vllm-{V2}.tar.gz", V2,
+                     {"vllm/core.py": CORE_V2})
+    write_matrix(project.root, {V1: _sha(project, V1), V2: sha})
+    for p in (project.patches / f"v{V1}").iterdir():
+        shutil.copy(p, project.patches / f"v{V2}" / p.name)
+    proc = project.run("apply.py", "--version", V2, check=False)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "0001-Core-Seven.patch" in err and "vllm/core.py" in err
+    assert "return x + 7" in err  # the failing hunk is shown
+    assert "am --abort" in err and "make refresh" in err
+    # The tree is left mid-am; --abort restores the state before the failing patch.
+    subprocess.run(["git", "-C", str(project.tree(V2)), "am", "--abort"], check=True)
+    assert project.git(V2, "log", "-1", "--format=%s") == "[Core] Overlay"
+    assert project.git(V2, "status", "--porcelain") == ""
+
+
+def test_refresh_after_resolving_keeps_pending_patches(project: Project):
+    test_failing_patch_names_patch_file_and_hunk(project)
+    # Resolve by hand: redo patch 1 for the new release, then refresh.
+    core = project.tree(V2) / "vllm" / "core.py"
+    project.commit_in_tree(V2, "vllm/core.py",
+                           core.read_text().replace("return x * 7\n", "return x * 70\n"),
+                           "[Core] Seven")
+    out = project.run("refresh.py", "--version", V2).stdout
+    assert "0001-Core-Seven.patch" in out and "0002-Core-Nine.patch" in out
+    assert "applied 0002-Core-Nine.patch" in project.run("apply.py", "--version", V2).stdout
+
+
+def test_check_series_prints_table(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 7\n", "return x + 70\n", "[Core] Seven")
+    sha = make_sdist(project.root / "cache" / f"vllm-{V2}.tar.gz", V2, {"vllm/core.py": CORE_V2})
+    write_matrix(project.root, {V1: _sha(project, V1), V2: sha})
+    for p in (project.patches / f"v{V1}").iterdir():
+        shutil.copy(p, project.patches / f"v{V2}" / p.name)
+    head = project.git(V1, "rev-parse", "HEAD")
+    proc = project.run("check_series.py", check=False)
+    assert proc.returncode == 1
+    rows = {ln.split()[0]: ln for ln in proc.stdout.splitlines()[2:]}
+    assert rows[V1].split()[1:] == ["1", "OK"]
+    assert "FAIL at 0001-Core-Seven.patch (vllm/core.py:" in rows[V2]
+    # The build trees are left as they were.
+    assert project.git(V1, "rev-parse", "HEAD") == head
+    assert project.git(V2, "log", "-1", "--format=%s") == f"vLLM {V2} (pristine sdist)"
+
+
+def test_unknown_release_lists_supported(project: Project):
+    proc = project.run("apply.py", "--version", "0.0.7", check=False)
+    assert proc.returncode == 1
+    assert "'0.0.7' is not supported" in proc.stderr and "1.0.0, 2.0.0" in proc.stderr
+
+
+def test_missing_network_says_what_to_do(project: Project):
+    (project.root / "cache" / f"vllm-{V2}.tar.gz").unlink()
+    write_matrix(project.root, {V1: _sha(project, V1), V2: "0" * 64},
+                 url={V2: "http://127.0.0.1:9/vllm-2.0.0.tar.gz"})
+    proc = project.run("apply.py", "--version", V2, check=False)
+    assert proc.returncode == 1
+    assert "could not download the sdist of vLLM 2.0.0" in proc.stderr
+    assert "VLLM_SDIST" in proc.stderr and str(project.root / "cache") in proc.stderr
+    assert not project.tree(V2).exists()
+
+
+def test_sdist_with_wrong_hash_is_refused(project: Project):
+    write_matrix(project.root, {V1: "f" * 64})
+    proc = project.run("apply.py", "--version", V1, check=False)
+    assert proc.returncode == 1 and "not the released sdist" in proc.stderr
+
+
+def test_overlay_may_not_replace_upstream_files(project: Project):
+    (project.overlay / "vllm" / "core.py").write_text("replaced\n")
+    proc = project.run("apply.py", "--version", V1, check=False)
+    assert proc.returncode == 1 and "new files only" in proc.stderr and "vllm/core.py" in proc.stderr
+
+
+def test_export_adds_signoff_and_author(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    proc = project.run("export.py", "--version", V1, "--out", str(project.root / "out"))
+    files = sorted((project.root / "out").glob("*.patch"))
+    assert [f.name for f in files] == ["0001-Core-Overlay.patch", "0002-Core-A.patch"], proc.stdout
+    overlay = files[0].read_text()
+    assert "From: Test Dev <dev@example.com>" in overlay
+    assert "Signed-off-by: Test Dev <dev@example.com>" in overlay
+    assert "kv-series@localhost" not in overlay
+    assert "newpkg/__init__.py" in overlay
+
+
+def test_export_refuses_tree_out_of_sync(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    project.commit_in_tree(V1, "vllm/core.py", "x\n", "[Core] Unrefreshed")
+    proc = project.run("export.py", "--version", V1, check=False)
+    assert proc.returncode == 1 and "make refresh" in proc.stderr
+
+
+CORE_V2 = "".join(f"def f{i}(x):\n    return x {'*' if i == 7 else '+'} {i}\n\n\n"
+                  for i in range(40))
+
+
+def _sha(project: Project, version: str) -> str:
+    import hashlib
+
+    return hashlib.sha256((project.root / "cache" / f"vllm-{version}.tar.gz").read_bytes()
+                          ).hexdigest()
