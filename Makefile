@@ -5,7 +5,7 @@ export VLLM_VERSION
 VENV ?= build/venv-$(VLLM_VERSION)
 S := $(PYTHON) scripts
 
-.PHONY: help setup apply install smoke refresh export check-series overlay-install \
+.PHONY: help setup apply install smoke refresh export rebase check-series overlay-install \
         overlay-uninstall test test-harness test-release test-gpu clean-tree clean
 
 help:  ## this list
@@ -27,6 +27,9 @@ refresh:  ## write the build tree's commits back to patches/vX/
 
 export:  ## the series as upstream-ready patches with Signed-off-by, in build/export/
 	$(S)/export.py
+
+rebase:  ## carry the series FROM=<release> TO=<release>; writes patches/vTO/ + a range-diff in docs/
+	$(S)/rebase.py --from "$(FROM)" --to "$(TO)"
 
 check-series:  ## apply every release's series to its pristine tree; print a table
 	$(S)/check_series.py
