@@ -6,7 +6,7 @@ VENV ?= build/venv-$(VLLM_VERSION)
 S := $(PYTHON) scripts
 
 .PHONY: help setup apply install smoke refresh export rebase check-series overlay-install \
-        overlay-uninstall test test-harness test-release test-gpu clean-tree clean
+        overlay-uninstall test test-harness test-release test-gpu test-installed clean-tree clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t22
@@ -51,6 +51,9 @@ test-release:  ## one release (VLLM_VERSION) at its CI tiers
 
 test-gpu:  ## on a GPU host: each release's gpu tiers
 	$(S)/run_tests.py --gpu
+
+test-installed:  ## tests/gpu, tests/engine and overlay tests against the vLLM that $(PYTHON) imports
+	$(S)/run_tests.py --installed
 
 clean-tree:  ## delete build/vllm-X; refuses if it holds work not in the series (FORCE=1 overrides)
 	$(S)/clean.py

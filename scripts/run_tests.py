@@ -104,7 +104,15 @@ def main() -> int:
     p.add_argument("--version", default=None)
     p.add_argument("--tiers", default=None, help="comma-separated; default: the matrix's")
     p.add_argument("--gpu", action="store_true", help="run each release's gpu_tiers")
+    p.add_argument("--installed", action="store_true",
+                   help="test the vLLM this Python imports (e.g. after make overlay-install): "
+                        "tests/gpu, tests/engine and the overlay's own tests; no apply/install")
     args = p.parse_args()
+    if args.installed:
+        results: list = []
+        pytest(sys.executable, ["--timeout=900", "tests/gpu", "tests/engine",
+                                str(ROOT / "vllm_overlay" / "tests")], ROOT, "installed", results)
+        return summarize(results)
     _, releases = load_matrix()
     chosen = [releases[args.version]] if args.version else list(releases.values())
     if args.version and args.version not in releases:
@@ -124,6 +132,10 @@ def main() -> int:
         if [t for t in tiers if t != "harness"]:
             run_release(release, tiers, results)
 
+    return summarize(results)
+
+
+def summarize(results: list) -> int:
     print("\n=== summary")
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, rc, c in results:
