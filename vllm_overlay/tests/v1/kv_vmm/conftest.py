@@ -3,12 +3,12 @@
 """Fixtures of the KV page table tests: the same suite runs on the Linux
 host backend (everywhere) and on the CUDA backend (GPU hosts only)."""
 
-import importlib.util
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from tests.v1.kv_vmm.utils import requires_cuda_vmm
 from vllm.v1.kv_vmm import HostVmmBackend, VmmBackend
 
 
@@ -16,19 +16,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "gpu: needs a CUDA device and cuda-python (cuda.bindings)"
     )
-
-
-def cuda_vmm_available() -> bool:
-    return (
-        torch.cuda.is_available()
-        and importlib.util.find_spec("cuda") is not None
-        and importlib.util.find_spec("cuda.bindings") is not None
-    )
-
-
-requires_cuda_vmm = pytest.mark.skipif(
-    not cuda_vmm_available(), reason="needs a CUDA device and cuda-bindings"
-)
 
 
 @pytest.fixture(

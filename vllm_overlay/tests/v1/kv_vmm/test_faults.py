@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.v1.kv_vmm.conftest import requires_cuda_vmm
+from tests.v1.kv_vmm.utils import requires_cuda_vmm
 from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 
 
@@ -30,7 +30,8 @@ def _read_in_forked_child(table: KVPageTable, page: int) -> int:
 def test_host_unmapped_page_faults():
     backend = HostVmmBackend()
     geometry = KVPageGeometry(
-        [KVTensorLayout(block_bytes=1 << 20)], num_blocks=8,
+        [KVTensorLayout(block_bytes=1 << 20)],
+        num_blocks=8,
         granularity=backend.granularity,
     )
     table = KVPageTable(backend, geometry, max_pages=4)
@@ -75,7 +76,10 @@ def test_cuda_unmapped_page_faults():
     def run(page: int) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-c", _CUDA_CHILD, str(page)],
-            capture_output=True, text=True, timeout=120, env=os.environ.copy(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=os.environ.copy(),
         )
 
     ok = run(0)

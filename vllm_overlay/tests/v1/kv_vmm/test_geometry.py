@@ -37,7 +37,9 @@ def test_mixed_and_odd_block_sizes():
 
 def test_blocks_pages_segments():
     g = KVPageGeometry(
-        [KVTensorLayout(block_bytes=MiB)], num_blocks=9, granularity=2 * MiB,
+        [KVTensorLayout(block_bytes=MiB)],
+        num_blocks=9,
+        granularity=2 * MiB,
         pages_per_segment=2,
     )
     assert g.blocks_per_page == 2

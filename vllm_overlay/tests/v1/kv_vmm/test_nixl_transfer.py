@@ -8,7 +8,6 @@ Host memory (DRAM over UCX loopback) runs everywhere nixl is installed;
 device memory (VRAM) runs on GPU hosts.
 """
 
-import importlib.util
 import multiprocessing as mp
 import queue
 import traceback
@@ -17,11 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.v1.kv_vmm.conftest import requires_cuda_vmm
-
-requires_nixl = pytest.mark.skipif(
-    importlib.util.find_spec("nixl") is None, reason="needs nixl"
-)
+from tests.v1.kv_vmm.utils import requires_cuda_vmm, requires_nixl
 
 NUM_PAGES = 4
 PAGES_PER_SEGMENT = 2  # two segments of two pages each
@@ -62,9 +57,7 @@ def _peer(role: str, kind: str, conn: Any, results: Any) -> None:
 
         def register(segment: Segment) -> None:
             descs = [(c.va, c.nbytes, dev_id, "") for c in segment.chunks]
-            registrations[segment.segment_id] = agent.register_memory(
-                descs, mem_type
-            )
+            registrations[segment.segment_id] = agent.register_memory(descs, mem_type)
             events.append(f"register {segment.segment_id}")
 
         def deregister(segment: Segment) -> None:
@@ -85,8 +78,11 @@ def _peer(role: str, kind: str, conn: Any, results: Any) -> None:
             pages_per_segment=PAGES_PER_SEGMENT,
         )
         table = KVPageTable(
-            backend, geometry, max_pages=NUM_PAGES,
-            on_segment_mapped=register, before_segment_unmapped=deregister,
+            backend,
+            geometry,
+            max_pages=NUM_PAGES,
+            on_segment_mapped=register,
+            before_segment_unmapped=deregister,
         )
         table.map_pages(range(NUM_PAGES))
         flat = table.tensors[0]
@@ -177,9 +173,7 @@ def _run_pair(kind: str) -> None:
         assert ok is True, f"{role}: {ok}"
         # Two segments x (K, V) regions: four allocations, four descriptors.
         assert num_chunks == 4
-        assert events == [
-            "register 0", "register 1", "deregister 0", "deregister 1"
-        ]
+        assert events == ["register 0", "register 1", "deregister 0", "deregister 1"]
 
 
 @requires_nixl

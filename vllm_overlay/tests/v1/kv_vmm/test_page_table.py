@@ -53,9 +53,9 @@ def kv_geometry(
 def fill_page(table: KVPageTable, page: int, value: float) -> None:
     blocks = table.geometry.blocks_of_page(page)
     for flat in table.tensors:
-        kv_view(flat, table.geometry.num_blocks, HND)[
-            :, blocks.start : blocks.stop
-        ] = value
+        kv_view(flat, table.geometry.num_blocks, HND)[:, blocks.start : blocks.stop] = (
+            value
+        )
 
 
 def page_values(table: KVPageTable, page: int) -> set[float]:
@@ -161,9 +161,7 @@ def test_views_address_same_bytes_as_reference(
     layout = KVTensorLayout(
         block_bytes=KV_BLOCK_BYTES, num_regions=2 if kv_outer else 1
     )
-    geometry = KVPageGeometry(
-        [layout], num_blocks=1, granularity=backend.granularity
-    )
+    geometry = KVPageGeometry([layout], num_blocks=1, granularity=backend.granularity)
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
     flat = table.tensors[0]
     nb = geometry.num_blocks
@@ -225,8 +223,11 @@ def test_segment_callbacks_order(backend: VmmBackend):
         events.append(("unmapping", segment.segment_id))
 
     table = KVPageTable(
-        backend, geometry, max_pages=8,
-        on_segment_mapped=on_mapped, before_segment_unmapped=before_unmapped,
+        backend,
+        geometry,
+        max_pages=8,
+        on_segment_mapped=on_mapped,
+        before_segment_unmapped=before_unmapped,
     )
     # Pages 5 and 0 -> segments 2 and 0, each mapped whole.
     assert table.map_pages([5, 0]) == [0, 1, 4, 5]
@@ -235,10 +236,15 @@ def test_segment_callbacks_order(backend: VmmBackend):
     assert [s.segment_id for s in segments] == [0, 2]
     seg = segments[1]
     assert seg.pages == range(4, 6)
-    assert seg.blocks == range(4 * geometry.blocks_per_page, 6 * geometry.blocks_per_page)
+    assert seg.blocks == range(
+        4 * geometry.blocks_per_page, 6 * geometry.blocks_per_page
+    )
     # One chunk (= one allocation) per tensor region, each two pages long.
     assert [(c.tensor_index, c.region) for c in seg.chunks] == [
-        (0, 0), (0, 1), (1, 0), (1, 1)
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
     ]
     assert {c.nbytes for c in seg.chunks} == {2 * backend.granularity}
     with pytest.raises(ValueError, match="whole segments"):

@@ -61,6 +61,7 @@ class KVPageGeometry:
             rounded up to whole segments.
         granularity: backend granularity in bytes.
         pages_per_segment: pages per physical allocation.
+
     """
 
     def __init__(

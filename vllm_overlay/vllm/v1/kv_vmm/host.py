@@ -68,6 +68,7 @@ class HostVmmBackend(VmmBackend):
         granularity: page size in bytes; a multiple of the OS page size.
             The default, 2 MiB, matches the CUDA granularity so the page
             arithmetic is the same on CPU and GPU.
+
     """
 
     def __init__(self, granularity: int = 2 << 20) -> None:

@@ -64,6 +64,7 @@ class KVPageTable:
             accessible, in ascending segment order (e.g. register it).
         before_segment_unmapped: called for each segment before its memory
             is unmapped, in ascending segment order (e.g. deregister it).
+
     """
 
     def __init__(
