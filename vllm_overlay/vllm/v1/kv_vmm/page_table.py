@@ -11,7 +11,7 @@ in one call.
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,8 +23,7 @@ class KVPageBudgetError(VmmError):
     """Mapping the requested pages would exceed the physical budget."""
 
 
-@dataclass(frozen=True)
-class SegmentChunk:
+class SegmentChunk(NamedTuple):
     """One physical allocation of a segment, as mapped in one tensor region."""
 
     tensor_index: int
@@ -34,8 +33,9 @@ class SegmentChunk:
     handle: object
 
 
-@dataclass(frozen=True)
-class Segment:
+# NamedTuples, not dataclasses: they are built on the map path, where a
+# frozen dataclass's constructor costs as much as a host mmap call.
+class Segment(NamedTuple):
     """Pages that share one physical allocation per tensor region.
 
     A KV connector registers each chunk separately: a chunk is exactly one
@@ -99,6 +99,18 @@ class KVPageTable:
             for base, nbytes in zip(self._bases, geometry.tensor_bytes):
                 backend.free_reservation(base, nbytes)
             raise
+        # Per (tensor, region): where segment 0 lives, the distance between
+        # segments and their size, so the map path is one multiply per chunk.
+        self._chunk_layout = [
+            (
+                t,
+                region,
+                base + geometry.region_offset(t, region, 0),
+                geometry.page_region_bytes[t] * geometry.pages_per_segment,
+            )
+            for t, (base, layout) in enumerate(zip(self._bases, geometry.layouts))
+            for region in range(layout.num_regions)
+        ]
         #: One flat ``uint8`` tensor per KV tensor, over its whole reservation.
         #: View them like any tensor (``.view(dtype).view(shape).permute(...)``).
         self.tensors: list[torch.Tensor] = [
@@ -224,34 +236,26 @@ class KVPageTable:
     def _create_segment(self, segment_id: int) -> Segment:
         geometry = self.geometry
         backend = self.backend
-        first_page = segment_id * geometry.pages_per_segment
         chunks: list[SegmentChunk] = []
         try:
-            for t, layout in enumerate(geometry.layouts):
-                nbytes = geometry.page_region_bytes[t] * geometry.pages_per_segment
-                for region in range(layout.num_regions):
-                    va = self._bases[t] + geometry.region_offset(t, region, first_page)
-                    handle = backend.create(nbytes)
-                    try:
-                        backend.map(va, nbytes, handle)
-                    except BaseException:
-                        backend.release(handle)
-                        raise
-                    chunks.append(SegmentChunk(t, region, va, nbytes, handle))
+            for t, region, region_base, nbytes in self._chunk_layout:
+                va = region_base + segment_id * nbytes
+                handle = backend.create(nbytes)
+                try:
+                    backend.map(va, nbytes, handle)
+                except BaseException:
+                    backend.release(handle)
+                    raise
+                chunks.append(SegmentChunk(t, region, va, nbytes, handle))
         except BaseException:
             for chunk in chunks:
                 backend.unmap(chunk.va, chunk.nbytes)
                 backend.release(chunk.handle)
             raise
         pages = geometry.pages_of_segment(segment_id)
+        bpp = geometry.blocks_per_page
         return Segment(
-            segment_id=segment_id,
-            pages=pages,
-            blocks=range(
-                pages.start * geometry.blocks_per_page,
-                pages.stop * geometry.blocks_per_page,
-            ),
-            chunks=tuple(chunks),
+            segment_id, pages, range(pages.start * bpp, pages.stop * bpp), tuple(chunks)
         )
 
     def _set_access(self, segments: list[Segment]) -> None:
