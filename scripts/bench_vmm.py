@@ -75,13 +75,18 @@ class RawHost:
             0,
         )
 
-    def map_page(self, i: int) -> None:
-        va = self.va + i * self.g
+    def map_only(self, i: int) -> None:
         host_mod._mmap(
-            va, self.g, host_mod._PROT_NONE,
+            self.va + i * self.g, self.g, host_mod._PROT_NONE,
             host_mod._MAP_SHARED | host_mod._MAP_FIXED, self.fd, i * self.g,
         )  # fmt: skip
-        host_mod._mprotect(va, self.g, host_mod._PROT_RW)
+
+    def grant(self, i: int, num_pages: int) -> None:
+        host_mod._mprotect(self.va + i * self.g, self.g * num_pages, host_mod._PROT_RW)
+
+    def map_page(self, i: int) -> None:
+        self.map_only(i)
+        self.grant(i, 1)
 
     def unmap_page(self, i: int) -> None:
         va = self.va + i * self.g
@@ -117,16 +122,24 @@ class RawCuda:
         self.va = int(ptr)
         self.handles: dict[int, object] = {}
 
-    def map_page(self, i: int) -> None:
-        drv, b = self.drv, self.b
-        va = self.va + i * self.g
-        err, handle = drv.cuMemCreate(self.g, b._prop, 0)
+    def map_only(self, i: int) -> None:
+        drv = self.drv
+        err, handle = drv.cuMemCreate(self.g, self.b._prop, 0)
         assert err == drv.CUresult.CUDA_SUCCESS, err
-        (err,) = drv.cuMemMap(va, self.g, 0, handle, 0)
-        assert err == drv.CUresult.CUDA_SUCCESS, err
-        (err,) = drv.cuMemSetAccess(va, self.g, b._access, 1)
+        (err,) = drv.cuMemMap(self.va + i * self.g, self.g, 0, handle, 0)
         assert err == drv.CUresult.CUDA_SUCCESS, err
         self.handles[i] = handle
+
+    def grant(self, i: int, num_pages: int) -> None:
+        drv = self.drv
+        (err,) = drv.cuMemSetAccess(
+            self.va + i * self.g, self.g * num_pages, self.b._access, 1
+        )
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+
+    def map_page(self, i: int) -> None:
+        self.map_only(i)
+        self.grant(i, 1)
 
     def unmap_page(self, i: int) -> None:
         drv = self.drv
@@ -145,22 +158,44 @@ def bench(backend: VmmBackend, raw_cls: type, num_pages: int, repeats: int) -> d
         [KVTensorLayout(block_bytes=g)], num_blocks=num_pages, granularity=g
     )
     table = KVPageTable(backend, geometry, max_pages=num_pages)
-    raw = (
-        RawHost(g, num_pages)
-        if raw_cls is RawHost
-        else RawCuda(backend, num_pages)
-    )
+    raw = RawHost(g, num_pages) if raw_cls is RawHost else RawCuda(backend, num_pages)
     pages = range(num_pages)
     samples: dict[str, list[float]] = {}
 
     def add(name: str, total_us: float) -> None:
         samples.setdefault(name, []).append(total_us / num_pages)
 
+    # The backend's own calls (validation and handle bookkeeping
+    # included), without the page table around them.
+    handles: dict[int, object] = {}
+
+    def backend_map(i: int) -> None:
+        handles[i] = backend.create(g)
+        backend.map(raw.va + i * g, g, handles[i])
+        backend.set_access(raw.va + i * g, g)
+
+    def backend_unmap(i: int) -> None:
+        backend.unmap(raw.va + i * g, g)
+        backend.release(handles.pop(i))
+
     # One untimed round warms caches, the memfd and the driver's pools.
-    for _ in range(repeats + 1):
-        record = add if _ else (lambda name, us: None)
-        record("raw map, per page", sum(_timed(lambda i=i: raw.map_page(i)) for i in pages))
-        record("raw unmap, per page", sum(_timed(lambda i=i: raw.unmap_page(i)) for i in pages))
+    for run in range(repeats + 1):
+        record = add if run else (lambda name, us: None)
+        record(
+            "raw map, per page", sum(_timed(lambda i=i: raw.map_page(i)) for i in pages)
+        )
+        record(
+            "raw unmap, per page",
+            sum(_timed(lambda i=i: raw.unmap_page(i)) for i in pages),
+        )
+        record(
+            "backend calls map, per page",
+            sum(_timed(lambda i=i: backend_map(i)) for i in pages),
+        )
+        record(
+            "backend calls unmap, per page",
+            sum(_timed(lambda i=i: backend_unmap(i)) for i in pages),
+        )
         record(
             "page table map, per page",
             sum(_timed(lambda i=i: table.map_pages([i])) for i in pages),
@@ -170,14 +205,21 @@ def bench(backend: VmmBackend, raw_cls: type, num_pages: int, repeats: int) -> d
             sum(_timed(lambda i=i: table.unmap_pages([i])) for i in pages),
         )
         record("page table map, batched", _timed(lambda: table.map_pages(pages)))
-        # Pages are mapped now: compare access grants on the same range.
-        base = table.segments()[0].chunks[0].va
-        record(
-            "set access, per page",
-            sum(_timed(lambda i=i: backend.set_access(base + i * g, g)) for i in pages),
-        )
-        record("set access, batched", _timed(lambda: backend.set_access(base, g * num_pages)))
         record("page table unmap, batched", _timed(lambda: table.unmap_pages(pages)))
+        # Access grants on freshly mapped pages (granting it again on pages
+        # that already have it is a cheaper, different operation).
+        for i in pages:
+            raw.map_only(i)
+        record(
+            "raw set access, per page",
+            sum(_timed(lambda i=i: raw.grant(i, 1)) for i in pages),
+        )
+        for i in pages:
+            raw.unmap_page(i)
+            raw.map_only(i)
+        record("raw set access, batched", _timed(lambda: raw.grant(0, num_pages)))
+        for i in pages:
+            raw.unmap_page(i)
     raw.close(num_pages)
     table.close()
     return {

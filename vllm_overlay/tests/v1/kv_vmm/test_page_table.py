@@ -101,7 +101,7 @@ def test_map_unmap_idempotent_and_accounting(backend: VmmBackend):
     assert table.unmap_pages([2]) == []
     assert table.mapped_pages() == [0]
     assert table.is_mapped(0) and not table.is_mapped(2)
-    with pytest.raises(ValueError, match="page id 8"):
+    with pytest.raises(ValueError, match=r"page ids \[8\] are outside"):
         table.map_pages([8])
     table.close()
     assert table.num_mapped_pages == 0
@@ -165,7 +165,7 @@ def test_views_address_same_bytes_as_reference(
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
     flat = table.tensors[0]
     nb = geometry.num_blocks
-    reference = torch.zeros_like(flat.cpu(), device=backend.device)
+    reference = torch.zeros(flat.shape, dtype=torch.uint8, device=backend.device)
     assert flat.shape == reference.shape == (geometry.tensor_bytes[0],)
 
     def view(t: torch.Tensor) -> torch.Tensor:

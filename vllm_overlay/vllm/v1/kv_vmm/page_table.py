@@ -151,9 +151,7 @@ class KVPageTable:
         geometry = self.geometry
         with self._lock:
             self._check_open()
-            wanted = sorted(
-                {geometry.segment_of_page(p) for p in page_ids} - self._segments.keys()
-            )
+            wanted = sorted(self._segment_ids(page_ids) - self._segments.keys())
             if not wanted:
                 return []
             new_pages = len(wanted) * geometry.pages_per_segment
@@ -192,8 +190,8 @@ class KVPageTable:
         """
         geometry = self.geometry
         pages = set(page_ids)
-        segment_ids = sorted({geometry.segment_of_page(p) for p in pages})
-        for segment_id in segment_ids:
+        segment_ids = sorted(self._segment_ids(pages))
+        for segment_id in segment_ids if geometry.pages_per_segment > 1 else ():
             missing = set(geometry.pages_of_segment(segment_id)) - pages
             if missing:
                 raise ValueError(
@@ -229,6 +227,19 @@ class KVPageTable:
                 self.backend.free_reservation(base, nbytes)
 
     # -- internals --------------------------------------------------------
+    def _segment_ids(self, page_ids: Iterable[int]) -> set[int]:
+        pages = set(page_ids)
+        if pages and (min(pages) < 0 or max(pages) >= self.geometry.num_pages):
+            bad = sorted(p for p in pages if not 0 <= p < self.geometry.num_pages)
+            raise ValueError(
+                f"page ids {bad} are outside [0, {self.geometry.num_pages}) of "
+                f"{self.geometry}"
+            )
+        per_segment = self.geometry.pages_per_segment
+        if per_segment == 1:
+            return pages
+        return {p // per_segment for p in pages}
+
     def _check_open(self) -> None:
         if self._closed:
             raise VmmError("the KV page table is closed")
@@ -262,7 +273,7 @@ class KVPageTable:
         # One call per run of adjacent chunks: adjacent segments of a region,
         # and the last segment of one region with the first of the next, are
         # contiguous in the reservation.
-        ranges = sorted((c.va, c.nbytes) for s in segments for c in s.chunks)
+        ranges = sorted([(c.va, c.nbytes) for s in segments for c in s.chunks])
         run_start, run_bytes = ranges[0]
         for va, nbytes in ranges[1:]:
             if va == run_start + run_bytes:
