@@ -120,7 +120,8 @@ class HostVmmBackend(VmmBackend):
         del self._reservations[va]
 
     def create(self, nbytes: int) -> int:
-        self.check_aligned(nbytes, "allocation")
+        if nbytes % self.granularity or nbytes <= 0:
+            self.check_aligned(nbytes, "allocation")
         free = self._free_extents[nbytes]
         if free:
             offset = free.pop()

@@ -151,16 +151,19 @@ class KVPageTable:
         geometry = self.geometry
         with self._lock:
             self._check_open()
-            wanted = sorted(self._segment_ids(page_ids) - self._segments.keys())
-            if not wanted:
+            missing = self._segment_ids(page_ids)
+            missing.difference_update(self._segments)
+            if not missing:
                 return []
+            wanted = sorted(missing)
             new_pages = len(wanted) * geometry.pages_per_segment
-            if self.num_mapped_pages + new_pages > self.max_pages:
+            mapped_pages = len(self._segments) * geometry.pages_per_segment
+            if mapped_pages + new_pages > self.max_pages:
                 raise KVPageBudgetError(
                     f"mapping {new_pages} more KV pages would exceed the physical "
                     f"budget of {self.max_pages} pages "
                     f"({self.max_pages * geometry.page_bytes} bytes; "
-                    f"{self.num_mapped_pages} mapped). Unmap pages first or "
+                    f"{mapped_pages} mapped). Unmap pages first or "
                     "raise the budget."
                 )
             created: list[Segment] = []
@@ -263,16 +266,24 @@ class KVPageTable:
                 backend.unmap(chunk.va, chunk.nbytes)
                 backend.release(chunk.handle)
             raise
-        pages = geometry.pages_of_segment(segment_id)
+        first = segment_id * geometry.pages_per_segment
+        last = first + geometry.pages_per_segment
         bpp = geometry.blocks_per_page
         return Segment(
-            segment_id, pages, range(pages.start * bpp, pages.stop * bpp), tuple(chunks)
+            segment_id,
+            range(first, last),
+            range(first * bpp, last * bpp),
+            tuple(chunks),
         )
 
     def _set_access(self, segments: list[Segment]) -> None:
         # One call per run of adjacent chunks: adjacent segments of a region,
         # and the last segment of one region with the first of the next, are
         # contiguous in the reservation.
+        if len(segments) == 1 and len(segments[0].chunks) == 1:
+            chunk = segments[0].chunks[0]
+            self.backend.set_access(chunk.va, chunk.nbytes)
+            return
         ranges = sorted([(c.va, c.nbytes) for s in segments for c in s.chunks])
         run_start, run_bytes = ranges[0]
         for va, nbytes in ranges[1:]:
