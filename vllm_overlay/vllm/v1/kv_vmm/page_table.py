@@ -33,8 +33,8 @@ class SegmentChunk(NamedTuple):
     handle: object
 
 
-# NamedTuples, not dataclasses: they are built on the map path, where a
-# frozen dataclass's constructor costs as much as a host mmap call.
+# NamedTuples, not frozen dataclasses: they are built on the map path, and a
+# frozen dataclass's constructor is about three times slower.
 class Segment(NamedTuple):
     """Pages that share one physical allocation per tensor region.
 
@@ -99,8 +99,9 @@ class KVPageTable:
             for base, nbytes in zip(self._bases, geometry.tensor_bytes):
                 backend.free_reservation(base, nbytes)
             raise
-        # Per (tensor, region): where segment 0 lives, the distance between
-        # segments and their size, so the map path is one multiply per chunk.
+        # Per (tensor, region): the address of segment 0 and the segment size
+        # (also the distance between segments), so the map path does one
+        # multiply per chunk.
         self._chunk_layout = [
             (
                 t,
@@ -217,7 +218,11 @@ class KVPageTable:
             return [p for s in victims for p in s.pages]
 
     def close(self) -> None:
-        """Unmap every page (callbacks included) and free the reservations."""
+        """Unmap every page (callbacks included) and free the reservations.
+
+        Views of ``tensors`` must not be used afterwards: their addresses are
+        no longer reserved.
+        """
         mapped = self.mapped_pages()
         if mapped:
             self.unmap_pages(mapped)
