@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Microbenchmark of the KV page table's map/unmap path.
+
+For each backend it measures, in the same run:
+
+* raw calls, one page at a time: Linux ``mmap(MAP_FIXED)`` of a memfd extent
+  + ``mprotect`` (host) or ``cuMemCreate`` + ``cuMemMap`` + ``cuMemSetAccess``
+  (CUDA), and the reverse for unmap;
+* ``KVPageTable.map_pages([p])`` / ``unmap_pages([p])`` one page at a time;
+* ``map_pages(all)`` / ``unmap_pages(all)`` in one call (batched);
+* set-access per page versus one call over the whole run of pages.
+
+Numbers are microseconds per page: the median over ``--repeats`` runs, with
+min and max. Run it with the patched vLLM tree on PYTHONPATH, or, where vLLM
+is not installed, from a checkout of this repository (it then imports the
+package from ``vllm_overlay/``)::
+
+    python scripts/bench_vmm.py --backend host --json host.json
+    python scripts/bench_vmm.py --backend cuda --json cuda.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+try:
+    import vllm.v1.kv_vmm  # noqa: F401
+except ModuleNotFoundError:
+    if "vllm" in sys.modules:
+        raise SystemExit(
+            "the installed vLLM has no vllm.v1.kv_vmm: put the patched tree on "
+            "PYTHONPATH, or run where vLLM is not installed"
+        ) from None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_overlay"))
+
+import torch
+
+from vllm.v1.kv_vmm import (
+    HostVmmBackend,
+    KVPageGeometry,
+    KVPageTable,
+    KVTensorLayout,
+    VmmBackend,
+)
+from vllm.v1.kv_vmm import host as host_mod
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter_ns()
+    fn()
+    return (time.perf_counter_ns() - start) / 1e3
+
+
+class RawHost:
+    """The OS calls the host backend makes, without the backend around them."""
+
+    def __init__(self, granularity: int, num_pages: int) -> None:
+        self.g = granularity
+        self.fd = os.memfd_create("bench-raw", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, granularity * num_pages)
+        self.va = host_mod._mmap(
+            None,
+            granularity * num_pages,
+            host_mod._PROT_NONE,
+            host_mod._MAP_PRIVATE | host_mod._MAP_ANONYMOUS | host_mod._MAP_NORESERVE,
+            -1,
+            0,
+        )
+
+    def map_only(self, i: int) -> None:
+        host_mod._mmap(
+            self.va + i * self.g, self.g, host_mod._PROT_NONE,
+            host_mod._MAP_SHARED | host_mod._MAP_FIXED, self.fd, i * self.g,
+        )  # fmt: skip
+
+    def grant(self, i: int, num_pages: int) -> None:
+        host_mod._mprotect(self.va + i * self.g, self.g * num_pages, host_mod._PROT_RW)
+
+    def map_page(self, i: int) -> None:
+        self.map_only(i)
+        self.grant(i, 1)
+
+    def unmap_page(self, i: int) -> None:
+        va = self.va + i * self.g
+        host_mod._mmap(
+            va, self.g, host_mod._PROT_NONE,
+            host_mod._MAP_PRIVATE | host_mod._MAP_ANONYMOUS | host_mod._MAP_FIXED
+            | host_mod._MAP_NORESERVE, -1, 0,
+        )  # fmt: skip
+        host_mod._fallocate(
+            self.fd,
+            host_mod._FALLOC_FL_PUNCH_HOLE | host_mod._FALLOC_FL_KEEP_SIZE,
+            i * self.g,
+            self.g,
+        )
+
+    def close(self, num_pages: int) -> None:
+        host_mod._munmap(self.va, self.g * num_pages)
+        os.close(self.fd)
+
+
+class RawCuda:
+    """The driver calls the CUDA backend makes, without the backend around
+    them."""
+
+    def __init__(self, backend: VmmBackend, num_pages: int) -> None:
+        from cuda.bindings import driver as drv
+
+        self.drv = drv
+        self.b = backend
+        self.g = backend.granularity
+        err, ptr = drv.cuMemAddressReserve(self.g * num_pages, self.g, 0, 0)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        self.va = int(ptr)
+        self.handles: dict[int, object] = {}
+
+    def map_only(self, i: int) -> None:
+        drv = self.drv
+        err, handle = drv.cuMemCreate(self.g, self.b._prop, 0)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        (err,) = drv.cuMemMap(self.va + i * self.g, self.g, 0, handle, 0)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        self.handles[i] = handle
+
+    def grant(self, i: int, num_pages: int) -> None:
+        drv = self.drv
+        (err,) = drv.cuMemSetAccess(
+            self.va + i * self.g, self.g * num_pages, self.b._access, 1
+        )
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+
+    def map_page(self, i: int) -> None:
+        self.map_only(i)
+        self.grant(i, 1)
+
+    def unmap_page(self, i: int) -> None:
+        drv = self.drv
+        (err,) = drv.cuMemUnmap(self.va + i * self.g, self.g)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        (err,) = drv.cuMemRelease(self.handles.pop(i))
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+
+    def close(self, num_pages: int) -> None:
+        self.drv.cuMemAddressFree(self.va, self.g * num_pages)
+
+
+def bench(backend: VmmBackend, raw_cls: type, num_pages: int, repeats: int) -> dict:
+    g = backend.granularity
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=g)], num_blocks=num_pages, granularity=g
+    )
+    table = KVPageTable(backend, geometry, max_pages=num_pages)
+    raw = RawHost(g, num_pages) if raw_cls is RawHost else RawCuda(backend, num_pages)
+    pages = range(num_pages)
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, total_us: float) -> None:
+        samples.setdefault(name, []).append(total_us / num_pages)
+
+    # The backend's own calls (validation and handle bookkeeping
+    # included), without the page table around them.
+    handles: dict[int, object] = {}
+
+    def backend_map(i: int) -> None:
+        handles[i] = backend.create(g)
+        backend.map(raw.va + i * g, g, handles[i])
+        backend.set_access(raw.va + i * g, g)
+
+    def backend_unmap(i: int) -> None:
+        backend.unmap(raw.va + i * g, g)
+        backend.release(handles.pop(i))
+
+    # One untimed round warms caches, the memfd and the driver's pools.
+    for run in range(repeats + 1):
+        record = add if run else (lambda name, us: None)
+        record(
+            "raw map, per page", sum(_timed(lambda i=i: raw.map_page(i)) for i in pages)
+        )
+        record(
+            "raw unmap, per page",
+            sum(_timed(lambda i=i: raw.unmap_page(i)) for i in pages),
+        )
+        record(
+            "backend calls map, per page",
+            sum(_timed(lambda i=i: backend_map(i)) for i in pages),
+        )
+        record(
+            "backend calls unmap, per page",
+            sum(_timed(lambda i=i: backend_unmap(i)) for i in pages),
+        )
+        record(
+            "page table map, per page",
+            sum(_timed(lambda i=i: table.map_pages([i])) for i in pages),
+        )
+        record(
+            "page table unmap, per page",
+            sum(_timed(lambda i=i: table.unmap_pages([i])) for i in pages),
+        )
+        record("page table map, batched", _timed(lambda: table.map_pages(pages)))
+        record("page table unmap, batched", _timed(lambda: table.unmap_pages(pages)))
+        # Access grants on freshly mapped pages (granting it again on pages
+        # that already have it is a cheaper, different operation).
+        for i in pages:
+            raw.map_only(i)
+        record(
+            "raw set access, per page",
+            sum(_timed(lambda i=i: raw.grant(i, 1)) for i in pages),
+        )
+        for i in pages:
+            raw.unmap_page(i)
+            raw.map_only(i)
+        record("raw set access, batched", _timed(lambda: raw.grant(0, num_pages)))
+        for i in pages:
+            raw.unmap_page(i)
+    raw.close(num_pages)
+    table.close()
+    return {
+        name: {
+            "median_us": statistics.median(v),
+            "min_us": min(v),
+            "max_us": max(v),
+            "runs": len(v),
+        }
+        for name, v in samples.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["host", "cuda", "all"], default="all")
+    parser.add_argument("--pages", type=int, default=64, help="pages per run")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+
+    kinds = ["host", "cuda"] if args.backend == "all" else [args.backend]
+    results: dict = {
+        "pages": args.pages,
+        "repeats": args.repeats,
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backends": {},
+    }
+    for kind in kinds:
+        if kind == "host":
+            backend: VmmBackend = HostVmmBackend()
+            raw_cls: type = RawHost
+        else:
+            if not torch.cuda.is_available():
+                print("no CUDA device: CUDA backend not measured", file=sys.stderr)
+                continue
+            from vllm.v1.kv_vmm.cuda import CudaVmmBackend
+
+            torch.cuda.init()
+            backend = CudaVmmBackend(0)
+            raw_cls = RawCuda
+            results["gpu"] = torch.cuda.get_device_name(0)
+        stats = bench(backend, raw_cls, args.pages, args.repeats)
+        backend.close()
+        stats["ratio map/raw (median)"] = (
+            stats["page table map, per page"]["median_us"]
+            / stats["raw map, per page"]["median_us"]
+        )
+        stats["ratio unmap/raw (median)"] = (
+            stats["page table unmap, per page"]["median_us"]
+            / stats["raw unmap, per page"]["median_us"]
+        )
+        results["backends"][kind] = {"granularity": backend.granularity, **stats}
+
+    for kind, stats in results["backends"].items():
+        print(
+            f"\n{kind} backend: {stats['granularity'] >> 20} MiB pages, "
+            f"{args.pages} pages a run, {args.repeats} runs"
+        )
+        print("| operation | median us/page | min | max |")
+        print("|---|---:|---:|---:|")
+        for name, s in stats.items():
+            if isinstance(s, dict):
+                print(
+                    f"| {name} | {s['median_us']:.2f} | {s['min_us']:.2f} | "
+                    f"{s['max_us']:.2f} |"
+                )
+        for name in ("ratio map/raw (median)", "ratio unmap/raw (median)"):
+            print(f"| {name} | {stats[name]:.2f} | | |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CUDA driver backend of the KV page table (``cuMemAddressReserve``,
+``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``, ``cuMemUnmap``,
+``cuMemRelease``) through cuda-python's ``cuda.bindings.driver``.
+
+Allocations are flagged GPUDirect-RDMA capable and exportable as a POSIX
+file descriptor where the device supports it, so NIXL/UCX can register and
+share them. Tensors over a reservation are built through DLPack with an
+explicit device, because nothing is mapped yet when they are built and a
+pointer query on unmapped addresses would fail.
+"""
+
+import ctypes
+from typing import Any
+
+import torch
+
+from vllm.v1.kv_vmm.backend import VmmBackend, VmmError, VmmOutOfMemoryError
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise ImportError(
+            "The CUDA KV page backend needs cuda-python's driver bindings: "
+            "install the `cuda-bindings` package matching your CUDA major "
+            "version (it ships with PyTorch's CUDA wheels)."
+        ) from e
+    return driver
+
+
+class CudaVmmBackend(VmmBackend):
+    """CUDA virtual-memory-management backend for one device.
+
+    Use it from threads where the device's primary context is current (any
+    thread that ran CUDA work through PyTorch on that device, or the one that
+    built the backend).
+    """
+
+    def __init__(self, device: torch.device | int | str | None = None) -> None:
+        drv = _driver()
+        self._drv = drv
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CudaVmmBackend needs a CUDA device, got {device}")
+        index = device.index if device.index is not None else 0
+        self.device = torch.device("cuda", index)
+        self._check(drv.cuInit(0), "cuInit")
+        cu_device = self._check(drv.cuDeviceGet(index), "cuDeviceGet")
+        # Share PyTorch's context: make the primary context current here if
+        # this thread has none yet.
+        self._primary_ctx = self._check(
+            drv.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain"
+        )
+        if int(self._check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
+            self._check(drv.cuCtxSetCurrent(self._primary_ctx), "cuCtxSetCurrent")
+        self._cu_device = cu_device
+
+        attr = drv.CUdevice_attribute
+        self.rdma_capable = bool(
+            self._check(
+                drv.cuDeviceGetAttribute(
+                    attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                    cu_device,
+                ),
+                "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)",
+            )
+        )
+        self.fd_exportable = bool(
+            self._check(
+                drv.cuDeviceGetAttribute(
+                    attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                    cu_device,
+                ),
+                "cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)",
+            )
+        )
+        self._prop = self._allocation_prop(index)
+        self.granularity = int(
+            self._check(
+                drv.cuMemGetAllocationGranularity(
+                    self._prop,
+                    drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = index
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [desc]
+        self._reservations: dict[int, int] = {}
+        self._allocations: dict[int, Any] = {}  # id(handle) -> handle
+        self._mapped: dict[int, int] = {}
+
+    def _allocation_prop(self, index: int) -> Any:
+        drv = self._drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = index
+        if self.fd_exportable:
+            prop.requestedHandleTypes = (
+                drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            )
+        if self.rdma_capable:
+            prop.allocFlags.gpuDirectRDMACapable = 1
+        return prop
+
+    def _check(self, result: tuple, call: str) -> Any:
+        drv = self._drv
+        err = result[0]
+        if err != drv.CUresult.CUDA_SUCCESS:
+            _, name = drv.cuGetErrorName(err)
+            name = name.decode() if isinstance(name, bytes) else str(err)
+            cls = (
+                VmmOutOfMemoryError
+                if err == drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+                else VmmError
+            )
+            raise cls(f"{call} failed on {self.device}: {name}")
+        if len(result) == 1:
+            return None
+        return result[1] if len(result) == 2 else result[1:]
+
+    def reserve(self, nbytes: int) -> int:
+        self.check_aligned(nbytes, "reservation")
+        ptr = self._check(
+            self._drv.cuMemAddressReserve(nbytes, self.granularity, 0, 0),
+            f"cuMemAddressReserve({nbytes})",
+        )
+        va = int(ptr)
+        self._reservations[va] = nbytes
+        return va
+
+    def free_reservation(self, va: int, nbytes: int) -> None:
+        if self._reservations.get(va) != nbytes:
+            raise VmmError(f"no reservation of {nbytes} bytes at {va:#x}")
+        self._check(self._drv.cuMemAddressFree(va, nbytes), "cuMemAddressFree")
+        del self._reservations[va]
+
+    def create(self, nbytes: int) -> Any:
+        self.check_aligned(nbytes, "allocation")
+        handle = self._check(
+            self._drv.cuMemCreate(nbytes, self._prop, 0), f"cuMemCreate({nbytes})"
+        )
+        self._allocations[id(handle)] = handle
+        return handle
+
+    def release(self, handle: object) -> None:
+        self._check(self._drv.cuMemRelease(handle), "cuMemRelease")
+        del self._allocations[id(handle)]
+
+    def map(self, va: int, nbytes: int, handle: object) -> None:
+        self._check(
+            self._drv.cuMemMap(va, nbytes, 0, handle, 0), f"cuMemMap({va:#x}, {nbytes})"
+        )
+        self._mapped[va] = nbytes
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        self._check(self._drv.cuMemUnmap(va, nbytes), f"cuMemUnmap({va:#x}, {nbytes})")
+        self._mapped.pop(va, None)
+
+    def set_access(self, va: int, nbytes: int) -> None:
+        self._check(
+            self._drv.cuMemSetAccess(va, nbytes, self._access, 1),
+            f"cuMemSetAccess({va:#x}, {nbytes})",
+        )
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def export_fd(self, handle: object) -> int:
+        """A POSIX file descriptor for ``handle`` (the caller closes it)."""
+        if not self.fd_exportable:
+            raise VmmError(f"{self.device} cannot export allocations as POSIX fds")
+        drv = self._drv
+        return int(
+            self._check(
+                drv.cuMemExportToShareableHandle(
+                    handle,
+                    drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                ),
+                "cuMemExportToShareableHandle",
+            )
+        )
+
+    def tensor(self, va: int, nbytes: int) -> torch.Tensor:
+        return _dlpack_uint8_tensor(va, nbytes, self.device.index)
+
+    def close(self) -> None:
+        if self._mapped:
+            self.synchronize()
+        for va, nbytes in list(self._mapped.items()):
+            self.unmap(va, nbytes)
+        for handle in list(self._allocations.values()):
+            self.release(handle)
+        for va, nbytes in list(self._reservations.items()):
+            self.free_reservation(va, nbytes)
+        if self._primary_ctx is not None:
+            self._check(
+                self._drv.cuDevicePrimaryCtxRelease(self._cu_device),
+                "cuDevicePrimaryCtxRelease",
+            )
+            self._primary_ctx = None
+
+
+# Minimal DLPack (v0.x ABI, the one torch.from_dlpack accepts as a capsule).
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+    ]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DLDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _DLDeleter),
+]
+_KDL_CUDA = 2
+_KDL_UINT = 1
+
+# Structs handed to torch, kept alive until torch calls the deleter.
+_dlpack_alive: dict[int, tuple[_DLManagedTensor, Any]] = {}
+
+
+@_DLDeleter
+def _dlpack_deleter(managed: Any) -> None:
+    _dlpack_alive.pop(ctypes.addressof(managed.contents), None)
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def _dlpack_uint8_tensor(va: int, nbytes: int, device_index: int) -> torch.Tensor:
+    shape = (ctypes.c_int64 * 1)(nbytes)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.data = va
+    managed.dl_tensor.device = _DLDevice(_KDL_CUDA, device_index)
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = _DLDataType(_KDL_UINT, 8, 1)
+    managed.dl_tensor.shape = shape
+    managed.dl_tensor.strides = None
+    managed.dl_tensor.byte_offset = 0
+    managed.deleter = _dlpack_deleter
+    _dlpack_alive[ctypes.addressof(managed)] = (managed, shape)
+    capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
+    return torch.utils.dlpack.from_dlpack(capsule)
