@@ -35,11 +35,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from buildtree import is_build_tree  # noqa: E402
-from seriestool import ROOT, Release, SeriesError, build_dir, get_release, main_guard, read_state, run  # noqa: E402
+from seriestool import (  # noqa: E402
+    ROOT, Release, SeriesError, build_dir, get_release, main_guard, read_state, run, sha256_file,
+)
 
 CPU_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
 MARKER = "kv-series-install.json"
 TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
+NIXL_REQUIREMENTS = ROOT / "ci" / "requirements-nixl.txt"
 
 FINDER = '''\
 """Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree."""
@@ -215,7 +218,9 @@ def install(release: Release, venv: Path, kernels: str) -> str:
             "(`VLLM_KERNELS=cuda`), or use a release whose CPU build installs (e.g. 0.32.0).",
         )
     marker = venv / MARKER
-    want = {"version": release.version, "kernels": kernels, "tree": str(tree)}
+    want = {"version": release.version, "kernels": kernels, "tree": str(tree),
+            "requirements": [sha256_file(p) for p in (TEST_REQUIREMENTS, NIXL_REQUIREMENTS)
+                             if p.exists()]}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return f"vLLM {release.version} ({kernels}) already installed editable from {tree} in {venv}"
     ensure_venv(venv)
@@ -253,6 +258,8 @@ def install(release: Release, venv: Path, kernels: str) -> str:
     mark_editable(venv, tree)
     if TEST_REQUIREMENTS.exists():
         pip(venv, "install", "-q", "-r", str(TEST_REQUIREMENTS))
+    if NIXL_REQUIREMENTS.exists():
+        pip(venv, "install", "-q", "--no-deps", "-r", str(NIXL_REQUIREMENTS))
     where = py(venv, "import importlib.util as u; print(u.find_spec('vllm').origin)")
     if not where.startswith(str(tree)):
         raise SeriesError(f"`import vllm` in {venv} resolves to {where}, not to {tree}.")

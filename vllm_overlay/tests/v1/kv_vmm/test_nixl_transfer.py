@@ -104,6 +104,9 @@ def _peer(role: str, kind: str, conn: Any, results: Any) -> None:
                 flat[off : off + c.nbytes].copy_(data[pos : pos + c.nbytes])
                 pos += c.nbytes
 
+        # Clear before the handshake: once the peer has our metadata it may write
+        # at any time, and clearing afterwards would race with its WRITE.
+        set_chunk_bytes(torch.zeros(nbytes, dtype=torch.uint8, device=flat.device))
         xfer_descs = [(c.va, c.nbytes, dev_id) for c in chunks]
         conn.send((agent.get_agent_metadata(), xfer_descs))
         remote_meta, remote_descs = conn.recv()
@@ -132,7 +135,6 @@ def _peer(role: str, kind: str, conn: Any, results: Any) -> None:
             ok = torch.equal(chunk_bytes(), _pattern(2, nbytes))
             conn.send("done")
         else:
-            set_chunk_bytes(torch.zeros(nbytes, dtype=torch.uint8, device=flat.device))
             assert conn.recv() == "written"
             ok = torch.equal(chunk_bytes(), _pattern(1, nbytes))
             set_chunk_bytes(_pattern(2, nbytes).to(flat.device))
