@@ -30,8 +30,11 @@ ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM":
 
 
 def series_tests(release) -> list[str]:
-    """Test files the series adds or changes in the tree (upstream layout), relative to it."""
-    out = git_out(release.tree, "diff", "--name-only", "--diff-filter=AM", f"{release.tag}..HEAD",
+    """Test files the series adds to the tree (upstream layout), relative to it.
+
+    Upstream test files the series changes run in the upstream tier, against the stock
+    baseline (they hold tests that need the offline model cache)."""
+    out = git_out(release.tree, "diff", "--name-only", "--diff-filter=A", f"{release.tag}..HEAD",
                   "--", "tests")
     return [p for p in out.split() if Path(p).name.startswith("test_") and p.endswith(".py")]
 
