@@ -39,15 +39,22 @@ from seriestool import ROOT, Release, SeriesError, build_dir, get_release, main_
 
 CPU_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
 MARKER = "kv-series-install.json"
+FINDER_MODULE = "__editable___vllm_kv_series_finder.py"
 TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
 
 FINDER = '''\
-"""Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree."""
+"""Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree.
+
+KVSERIES_VLLM_TREE=<another vLLM source tree of the same release> maps `import vllm` there
+instead (e.g. the stock tree that scripts/upstream_test.py compares against). PYTHONPATH cannot
+do this: this finder comes first on sys.meta_path.
+"""
 import importlib.abc
 import importlib.util
+import os
 import sys
 
-TREE = {tree!r}
+TREE = os.environ.get("KVSERIES_VLLM_TREE") or {tree!r}
 
 
 class _VllmTreeFinder(importlib.abc.MetaPathFinder):
@@ -164,7 +171,7 @@ def build_editable_wheel(tree: Path, version: str, metadata: str, entry_points: 
     tag = version.replace("-", "_")
     info = f"vllm-{tag}.dist-info"
     files = {
-        "__editable___vllm_kv_series_finder.py": FINDER.format(tree=str(tree)),
+        FINDER_MODULE: FINDER.format(tree=str(tree)),
         "__editable__.vllm-kv-series.pth":
             "import __editable___vllm_kv_series_finder as f; f.install()\n",
         f"{info}/METADATA": metadata,
@@ -258,6 +265,29 @@ def install(release: Release, venv: Path, kernels: str) -> str:
         raise SeriesError(f"`import vllm` in {venv} resolves to {where}, not to {tree}.")
     marker.write_text(json.dumps(want) + "\n")
     return f"vLLM {release.version} ({kernels}) installed editable from {tree} in {venv}"
+
+
+def refresh_finder(venv: Path, tree: Path) -> bool:
+    """Bring an existing editable install's finder up to this version of FINDER (e.g. one made
+    before KVSERIES_VLLM_TREE existed) without reinstalling anything else. True if rewritten."""
+    code = (
+        "import importlib.metadata as m, json, pathlib\n"
+        "d = m.distribution('vllm')\n"
+        f"f = [str(p.locate()) for p in d.files if p.name == {FINDER_MODULE!r}]\n"
+        "print(json.dumps([f[0] if f else '', d.version, d.read_text('METADATA') or '',"
+        " d.read_text('entry_points.txt') or '']))\n"
+    )
+    finder, version, metadata, entry_points = json.loads(py(venv, code))
+    if not finder:
+        raise SeriesError(f"{venv} has no editable vLLM install of this harness.",
+                          "Run `make install VLLM_VERSION=<release>` first.")
+    if Path(finder).read_text() == FINDER.format(tree=str(tree)):
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        whl = build_editable_wheel(tree, version, metadata, entry_points, Path(tmp))
+        pip(venv, "install", "-q", "--no-deps", "--force-reinstall", str(whl))
+    mark_editable(venv, tree)
+    return True
 
 
 def default_venv(release: Release) -> Path:
