@@ -50,11 +50,14 @@ instead (e.g. the stock tree that scripts/upstream_test.py compares against). PY
 do this: this finder comes first on sys.meta_path.
 """
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import os
+import pathlib
 import sys
 
 TREE = os.environ.get("KVSERIES_VLLM_TREE") or {tree!r}
+DIST_INFO = pathlib.Path(__file__).parent / {dist_info!r}
 
 
 class _VllmTreeFinder(importlib.abc.MetaPathFinder):
@@ -65,11 +68,27 @@ class _VllmTreeFinder(importlib.abc.MetaPathFinder):
             "vllm", TREE + "/vllm/__init__.py", submodule_search_locations=[TREE + "/vllm"]
         )
 
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        # The sdist tree carries its own vllm.egg-info, whose version lacks the install's local
+        # tag ("+cpu", which vLLM's platform detection reads); with the tree on sys.path (cwd,
+        # pytest rootdir) it would win. This install's metadata is the one that describes it.
+        if (context.name or "").lower().replace("-", "_") != "vllm":
+            return iter(())
+        return iter([importlib.metadata.PathDistribution(DIST_INFO)])
+
 
 def install():
     if not any(isinstance(f, _VllmTreeFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _VllmTreeFinder())
 '''
+
+
+def dist_info_name(version: str) -> str:
+    return f"vllm-{version.replace('-', '_')}.dist-info"
+
+
+def finder_source(tree: Path, version: str) -> str:
+    return FINDER.format(tree=str(tree), dist_info=dist_info_name(version))
 
 
 def detect_kernels() -> str:
@@ -169,9 +188,9 @@ def build_editable_wheel(tree: Path, version: str, metadata: str, entry_points: 
                          outdir: Path) -> Path:
     """A wheel holding a .pth + finder that point `import vllm` at the tree (PEP 660 style)."""
     tag = version.replace("-", "_")
-    info = f"vllm-{tag}.dist-info"
+    info = dist_info_name(version)
     files = {
-        FINDER_MODULE: FINDER.format(tree=str(tree)),
+        FINDER_MODULE: finder_source(tree, version),
         "__editable__.vllm-kv-series.pth":
             "import __editable___vllm_kv_series_finder as f; f.install()\n",
         f"{info}/METADATA": metadata,
@@ -281,7 +300,7 @@ def refresh_finder(venv: Path, tree: Path) -> bool:
     if not finder:
         raise SeriesError(f"{venv} has no editable vLLM install of this harness.",
                           "Run `make install VLLM_VERSION=<release>` first.")
-    if Path(finder).read_text() == FINDER.format(tree=str(tree)):
+    if Path(finder).read_text() == finder_source(tree, version):
         return False
     with tempfile.TemporaryDirectory() as tmp:
         whl = build_editable_wheel(tree, version, metadata, entry_points, Path(tmp))

@@ -5,7 +5,8 @@ Loaded with `-p upstream_plugin` (scripts/ on PYTHONPATH). Reads KVSERIES_UPSTRE
 (a JSON file: {test id or prefix: reason}) and appends JSON lines to KVSERIES_UPSTREAM_OUTCOMES:
   {"collected": [ids]}                         after collection (a crash later leaves the rest
                                                of them without an outcome: "crashed")
-  {"id": ..., "outcome": ..., "reason": ...}   per test
+  {"id": ..., "outcome": ..., "reason"/"message": ...}   per test (why it is unrunnable, or
+                                               the first line of its failure)
 Outcomes: passed, failed, error (setup/teardown failed), skipped, xfailed, xpassed, unrunnable.
 """
 
@@ -17,6 +18,7 @@ import os
 import pytest
 
 _outcomes: dict[str, str] = {}
+_messages: dict[str, str] = {}
 
 
 def _emit(record: dict) -> None:
@@ -66,5 +68,11 @@ def pytest_runtest_logreport(report):
         _outcomes[nodeid] = "error"  # setup or teardown failed
     elif report.skipped and report.when == "setup":
         _outcomes[nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+    if report.failed and nodeid not in _messages:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        _messages[nodeid] = (crash.message if crash else str(report.longrepr))[-300:]
     if report.when == "teardown" and nodeid in _outcomes:
-        _emit({"id": nodeid, "outcome": _outcomes.pop(nodeid)})
+        record = {"id": nodeid, "outcome": _outcomes.pop(nodeid)}
+        if nodeid in _messages:
+            record["message"] = _messages.pop(nodeid)
+        _emit(record)

@@ -167,7 +167,9 @@ def stock_tree(release: Release) -> Path:
     """build/.stock/vllm-X: a worktree of the build tree at vX, plus its prebuilt kernels."""
     tree = release.tree
     stock = build_dir() / ".stock" / f"vllm-{release.version}"
-    if not (stock / ".git").exists():
+    usable = (stock / ".git").exists() and git(stock, "rev-parse", "-q", "--verify",
+                                               "HEAD", check=False).returncode == 0
+    if not usable:  # never made, or its build tree was deleted and made again
         shutil.rmtree(stock, ignore_errors=True)
         git(tree, "worktree", "prune")
         stock.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +210,8 @@ def ensure_test_requirements(python: Path) -> None:
                                "--disable-pip-version-check", *missing])
 
 
-def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict) -> dict[str, str]:
+def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict,
+             messages: dict[str, str]) -> dict[str, str]:
     """Run one test file; return {test id: outcome}. Tests collected but never reported
     (pytest crashed or hit the file time limit) are "crashed"."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,6 +250,8 @@ def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict)
                     collected = record["collected"]
                 else:
                     outcomes[record["id"]] = record["outcome"]
+                    if record.get("message") or record.get("reason"):
+                        messages[record["id"]] = record.get("message") or record["reason"]
         for nodeid in collected:
             outcomes.setdefault(nodeid, "crashed")
         c = Counter(outcomes.values())
@@ -275,8 +280,15 @@ def run_tree(release: Release, tree: Path, label: str) -> tuple[dict[str, str], 
     print(f"\n=== vLLM {release.version} upstream tests, {label} tree {tree}", flush=True)
     start = time.monotonic()
     outcomes: dict[str, str] = {}
+    messages: dict[str, str] = {}
     for test_file in curated["files"]:
-        outcomes.update(run_file(python, tree, test_file, curated, env))
+        outcomes.update(run_file(python, tree, test_file, curated, env, messages))
+    # Why each test that did not pass failed (or is unrunnable), for the reader of a failure.
+    report = build_dir() / "upstream" / f"{release.tag}-{label}.txt"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("".join(f"{n} {outcomes[n]}: {messages.get(n, '').strip()}\n"
+                              for n in sorted(outcomes) if not passes(outcomes[n])))
+    print(f"  outcomes other than passed, with the reason: {report}")
     stale = [k for k in curated["unrunnable"]
              if not any(n == k or n.startswith((k + "[", k + "::")) for n in outcomes)]
     if stale:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import upstream_test as ut  # noqa: E402
-from install import FINDER  # noqa: E402
+from install import dist_info_name, finder_source  # noqa: E402
 from upstream_plugin import unrunnable_reason  # noqa: E402
 
 F = "tests/v1/core/test_kv_cache_utils.py"
@@ -88,21 +88,31 @@ def test_unrunnable_entries_match_tests_params_classes_and_files(nodeid, reason)
 
 
 def test_finder_follows_kvseries_vllm_tree(tmp_path):
-    """The editable install's finder maps `import vllm` to KVSERIES_VLLM_TREE when set."""
+    """The editable install's finder maps `import vllm` to KVSERIES_VLLM_TREE when set, and
+    answers the `vllm` distribution's metadata from the install, not from a tree's egg-info."""
     for name in ("installed", "other"):
         pkg = tmp_path / name / "vllm"
         pkg.mkdir(parents=True)
         (pkg / "__init__.py").write_text(f"TREE = {name!r}\n")
-    (tmp_path / "finder.py").write_text(FINDER.format(tree=str(tmp_path / "installed")))
-    code = "import finder; finder.install(); import vllm; print(vllm.TREE)"
+    (tmp_path / "finder.py").write_text(finder_source(tmp_path / "installed", "1.0+cpu"))
+    info = tmp_path / dist_info_name("1.0+cpu")
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 1.0+cpu\n")
+    # A tree on sys.path with the sdist's own egg-info must not shadow the install's metadata.
+    egg = tmp_path / "installed" / "vllm.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 1.0\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import finder; finder.install(); "
+            "import vllm, importlib.metadata as m; print(vllm.TREE, m.version('vllm'))")
 
     def which(env: dict) -> str:
-        return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True, check=True,
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path / "installed")],
+                              cwd=tmp_path, text=True, check=True,
                               capture_output=True, env={"PATH": "/usr/bin:/bin", **env}
                               ).stdout.strip()
 
-    assert which({}) == "installed"
-    assert which({"KVSERIES_VLLM_TREE": str(tmp_path / "other")}) == "other"
+    assert which({}) == "installed 1.0+cpu"
+    assert which({"KVSERIES_VLLM_TREE": str(tmp_path / "other")}) == "other 1.0+cpu"
 
 
 def test_curated_list_names_existing_baselines_and_reasons():
