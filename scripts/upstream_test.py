@@ -22,6 +22,10 @@ per test, sorted). The default run tests the patched tree and compares with that
 when a test that passed on stock does not pass on the patched tree. --stock runs both trees now
 instead of reading the baseline file.
 
+The patched run's outcomes are saved to build/upstream/vX-patched-outcomes.txt, and every test
+that did not pass is listed with its failure line in build/upstream/vX-<stock|patched>.txt;
+--patched-outcomes FILE compares saved outcomes again without running anything.
+
 --summary-json FILE writes {"passed", "failed", "skipped"} for run_tests.py: passed = tests
 passing on the patched tree, failed = regressions, skipped = every other test (skipped,
 unrunnable here, or failing on stock as well).
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -210,6 +215,13 @@ def ensure_test_requirements(python: Path) -> None:
                                "--disable-pip-version-check", *missing])
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of finished child processes: on a shared machine the wall
+    time of a run says little about how long it takes on a CI runner of its own."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict,
              messages: dict[str, str]) -> dict[str, str]:
     """Run one test file; return {test id: outcome}. Tests collected but never reported
@@ -231,6 +243,7 @@ def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict,
         if not (tree / test_file).exists():
             return {test_file: "missing"}
         start = time.monotonic()
+        cpu_start = _children_cpu()
         try:
             proc = subprocess.run(cmd, cwd=tree, env=run_env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -241,6 +254,7 @@ def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict,
             output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
                 else (e.stdout or "")
         took = time.monotonic() - start
+        cpu = _children_cpu() - cpu_start
         collected: list[str] = []
         outcomes: dict[str, str] = {}
         if outcomes_file.exists():
@@ -255,8 +269,8 @@ def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict,
         for nodeid in collected:
             outcomes.setdefault(nodeid, "crashed")
         c = Counter(outcomes.values())
-        print(f"  {test_file}: {dict(sorted(c.items()))} in {took:.0f}s (pytest exit {rc})",
-              flush=True)
+        print(f"  {test_file}: {dict(sorted(c.items()))} in {took:.0f}s wall, {cpu:.0f}s CPU "
+              f"(pytest exit {rc})", flush=True)
         if rc not in (0, 1, 5) or not outcomes:
             # Collection error, crash or time limit: show pytest's own words.
             tail = "\n".join(output.strip().splitlines()[-25:])
@@ -278,7 +292,7 @@ def run_tree(release: Release, tree: Path, label: str) -> tuple[dict[str, str], 
     env = {**offline_env(), "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONDONTWRITEBYTECODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     print(f"\n=== vLLM {release.version} upstream tests, {label} tree {tree}", flush=True)
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), _children_cpu()
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
     for test_file in curated["files"]:
@@ -289,6 +303,8 @@ def run_tree(release: Release, tree: Path, label: str) -> tuple[dict[str, str], 
     report.write_text("".join(f"{n} {outcomes[n]}: {messages.get(n, '').strip()}\n"
                               for n in sorted(outcomes) if not passes(outcomes[n])))
     print(f"  outcomes other than passed, with the reason: {report}")
+    print(f"  {label} tree: {len(outcomes)} tests in {time.monotonic() - start:.0f}s wall, "
+          f"{_children_cpu() - cpu_start:.0f}s CPU", flush=True)
     stale = [k for k in curated["unrunnable"]
              if not any(n == k or n.startswith((k + "[", k + "::")) for n in outcomes)]
     if stale:
@@ -303,6 +319,8 @@ def main() -> int:
                    help="run the stock tree and write ci/upstream/vX.txt")
     p.add_argument("--stock", action="store_true",
                    help="run the stock tree now instead of reading the baseline file")
+    p.add_argument("--patched-outcomes", type=Path, default=None,
+                   help="compare these saved patched outcomes instead of running the tree")
     p.add_argument("--summary-json", type=Path, default=None)
     args = p.parse_args()
     release = get_release(args.version)
@@ -323,16 +341,21 @@ def main() -> int:
               f"p/f/s/u {fmt_counts(c)}, in {took:.0f}s")
         return 0
 
-    if args.stock:
-        stock, _ = run_tree(release, stock_tree(release), "stock")
-    elif baseline.exists():
-        stock = read_outcomes(baseline)
+    stock = run_tree(release, stock_tree(release), "stock")[0] if args.stock else None
+    if args.patched_outcomes:
+        patched, took = read_outcomes(args.patched_outcomes), 0.0
     else:
-        raise SeriesError(
-            f"there is no baseline {baseline.relative_to(ROOT)} for vLLM {release.version}.",
-            f"Record it from the stock tree: `make upstream-baseline "
-            f"VLLM_VERSION={release.version}` (or compare live with --stock).")
-    patched, took = run_tree(release, release.tree, "patched")
+        patched, took = run_tree(release, release.tree, "patched")
+        saved = build_dir() / "upstream" / f"{release.tag}-patched-outcomes.txt"
+        write_outcomes(saved, patched, f"vLLM {release.version} patched tree: test-id outcome")
+        print(f"  patched outcomes saved to {saved} (compare again with --patched-outcomes)")
+    if stock is None:
+        if not baseline.exists():
+            raise SeriesError(
+                f"there is no baseline {baseline.relative_to(ROOT)} for vLLM {release.version}.",
+                f"Record it from the stock tree: `make upstream-baseline "
+                f"VLLM_VERSION={release.version}` (or compare live with --stock).")
+        stock = read_outcomes(baseline)
     print(f"\n=== vLLM {release.version}: stock ({'run now' if args.stock else baseline.name}) "
           f"vs patched ({took:.0f}s)")
     print(comparison_table(stock, patched))
