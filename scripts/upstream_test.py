@@ -111,13 +111,16 @@ def compare(stock: dict[str, str], patched: dict[str, str]) -> dict[str, list[st
     """Sort every test id into what changed between stock and patched.
 
     regressed: passed on stock, does not pass patched (failed, error, crashed, skipped,
-               unrunnable, or gone from the patched run)
+               unrunnable, or gone from its file's patched run)
     fixed:     did not pass on stock, passes patched
     new:       only in the patched run (tests the series adds or renames)
     """
     result: dict[str, list[str]] = {"regressed": [], "fixed": [], "new": []}
+    patched_files = {file_of(n) for n in patched}
     for nodeid in sorted(set(stock) | set(patched)):
         before, after = stock.get(nodeid), patched.get(nodeid)
+        if after is None and file_of(nodeid) not in patched_files:
+            continue  # its file was not run on the patched tree at all
         if before is None:
             result["new"].append(nodeid)
         elif passes(before) and not passes(after):
@@ -125,6 +128,15 @@ def compare(stock: dict[str, str], patched: dict[str, str]) -> dict[str, list[st
         elif not passes(before) and passes(after):
             result["fixed"].append(nodeid)
     return result
+
+
+def mark_unrunnable(outcomes: dict[str, str], unrunnable: dict[str, str]) -> dict[str, str]:
+    """Outcomes with every test the curated list now names unrunnable marked so, whatever it
+    did when recorded: a baseline recorded before an entry was added compares the same way."""
+    from upstream_plugin import unrunnable_reason
+
+    return {n: "unrunnable" if unrunnable_reason(n, unrunnable) else o
+            for n, o in outcomes.items()}
 
 
 def file_of(nodeid: str) -> str:
@@ -295,14 +307,19 @@ def run_tree(release: Release, tree: Path, label: str) -> tuple[dict[str, str], 
     start, cpu_start = time.monotonic(), _children_cpu()
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
-    for test_file in curated["files"]:
-        outcomes.update(run_file(python, tree, test_file, curated, env, messages))
-    # Why each test that did not pass failed (or is unrunnable), for the reader of a failure.
+    # Written after every file, so an interrupted run still leaves what it measured.
+    partial = build_dir() / "upstream" / f"{release.tag}-{label}-outcomes.txt"
     report = build_dir() / "upstream" / f"{release.tag}-{label}.txt"
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text("".join(f"{n} {outcomes[n]}: {messages.get(n, '').strip()}\n"
-                              for n in sorted(outcomes) if not passes(outcomes[n])))
-    print(f"  outcomes other than passed, with the reason: {report}")
+    for i, test_file in enumerate(curated["files"]):
+        outcomes.update(run_file(python, tree, test_file, curated, env, messages))
+        done = curated["files"][: i + 1]
+        write_outcomes(partial, outcomes, f"vLLM {release.version} {label} tree, files run: "
+                       + " ".join(done))
+        # Why each test that did not pass failed (or is unrunnable), for the reader.
+        report.write_text("".join(f"{n} {outcomes[n]}: {messages.get(n, '').strip()}\n"
+                                  for n in sorted(outcomes) if not passes(outcomes[n])))
+    print(f"  outcomes: {partial}; the ones other than passed, with the reason: {report}")
     print(f"  {label} tree: {len(outcomes)} tests in {time.monotonic() - start:.0f}s wall, "
           f"{_children_cpu() - cpu_start:.0f}s CPU", flush=True)
     stale = [k for k in curated["unrunnable"]
@@ -356,6 +373,8 @@ def main() -> int:
                 f"Record it from the stock tree: `make upstream-baseline "
                 f"VLLM_VERSION={release.version}` (or compare live with --stock).")
         stock = read_outcomes(baseline)
+    unrunnable = load_curated(release)["unrunnable"]
+    stock, patched = mark_unrunnable(stock, unrunnable), mark_unrunnable(patched, unrunnable)
     print(f"\n=== vLLM {release.version}: stock ({'run now' if args.stock else baseline.name}) "
           f"vs patched ({took:.0f}s)")
     print(comparison_table(stock, patched))

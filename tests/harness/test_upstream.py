@@ -49,6 +49,19 @@ def test_compare_flags_only_stock_passes_that_do_not_pass_patched():
     assert diff["new"] == [f"{F}::test_new"]
 
 
+def test_compare_ignores_files_the_patched_run_did_not_reach():
+    stock = {f"{F}::a": "passed", "tests/other.py::b": "passed"}
+    patched = {f"{F}::a": "passed"}
+    assert ut.compare(stock, patched)["regressed"] == []
+    assert ut.compare(stock, {f"{F}::c": "passed"})["regressed"] == [f"{F}::a"]
+
+
+def test_mark_unrunnable_applies_the_current_list_to_old_records():
+    got = ut.mark_unrunnable({f"{F}::t[1]": "failed", f"{F}::u": "passed"},
+                             {f"{F}::t": "needs a GPU"})
+    assert got == {f"{F}::t[1]": "unrunnable", f"{F}::u": "passed"}
+
+
 def test_compare_identical_runs_have_no_regressions():
     run = {f"{F}::test_a[1]": "passed", f"{F}::test_a[2]": "failed", f"{F}::t": "unrunnable"}
     assert ut.compare(run, dict(run)) == {"regressed": [], "fixed": [], "new": []}
