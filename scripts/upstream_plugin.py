@@ -70,7 +70,7 @@ def pytest_runtest_logreport(report):
         _outcomes[nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
     if report.failed and nodeid not in _messages:
         crash = getattr(report.longrepr, "reprcrash", None)
-        _messages[nodeid] = (crash.message if crash else str(report.longrepr))[-300:]
+        _messages[nodeid] = " ".join((crash.message if crash else str(report.longrepr)).split())[:300]
     if report.when == "teardown" and nodeid in _outcomes:
         record = {"id": nodeid, "outcome": _outcomes.pop(nodeid)}
         if nodeid in _messages:
