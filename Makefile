@@ -6,7 +6,8 @@ VENV ?= build/venv-$(VLLM_VERSION)
 S := $(PYTHON) scripts
 
 .PHONY: help setup apply install smoke refresh export rebase check-series overlay-install \
-        overlay-uninstall test test-harness test-release test-gpu test-installed clean-tree clean
+        overlay-uninstall test test-harness test-release test-gpu test-installed upstream-test \
+        upstream-baseline hf-cache clean-tree clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t22
@@ -54,6 +55,15 @@ test-gpu:  ## on a GPU host: each release's gpu tiers
 
 test-installed:  ## tests/gpu, tests/engine and overlay tests against the vLLM that $(PYTHON) imports
 	$(S)/run_tests.py --installed
+
+upstream-test:  ## vLLM's own curated tests, offline: patched tree vs the stock baseline
+	$(S)/upstream_test.py
+
+upstream-baseline:  ## run the curated upstream tests on stock vX, write ci/upstream/vX.txt
+	$(S)/upstream_test.py --write-baseline
+
+hf-cache:  ## build/hf-cache: offline hub cache of the public model configs in ci/hf-models
+	$(S)/hf_cache.py
 
 clean-tree:  ## delete build/vllm-X; refuses if it holds work not in the series (FORCE=1 overrides)
 	$(S)/clean.py

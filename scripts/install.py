@@ -41,16 +41,26 @@ from seriestool import (  # noqa: E402
 
 CPU_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
 MARKER = "kv-series-install.json"
+FINDER_MODULE = "__editable___vllm_kv_series_finder.py"
 TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
 NIXL_REQUIREMENTS = ROOT / "ci" / "requirements-nixl.txt"
 
 FINDER = '''\
-"""Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree."""
+"""Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree.
+
+KVSERIES_VLLM_TREE=<another vLLM source tree of the same release> maps `import vllm` there
+instead (e.g. the stock tree that scripts/upstream_test.py compares against). PYTHONPATH cannot
+do this: this finder comes first on sys.meta_path.
+"""
 import importlib.abc
+import importlib.metadata
 import importlib.util
+import os
+import pathlib
 import sys
 
-TREE = {tree!r}
+TREE = os.environ.get("KVSERIES_VLLM_TREE") or {tree!r}
+DIST_INFO = pathlib.Path(__file__).parent / {dist_info!r}
 
 
 class _VllmTreeFinder(importlib.abc.MetaPathFinder):
@@ -61,11 +71,27 @@ class _VllmTreeFinder(importlib.abc.MetaPathFinder):
             "vllm", TREE + "/vllm/__init__.py", submodule_search_locations=[TREE + "/vllm"]
         )
 
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        # The sdist tree carries its own vllm.egg-info, whose version lacks the install's local
+        # tag ("+cpu", which vLLM's platform detection reads); with the tree on sys.path (cwd,
+        # pytest rootdir) it would win. This install's metadata is the one that describes it.
+        if (context.name or "").lower().replace("-", "_") != "vllm":
+            return iter(())
+        return iter([importlib.metadata.PathDistribution(DIST_INFO)])
+
 
 def install():
     if not any(isinstance(f, _VllmTreeFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _VllmTreeFinder())
 '''
+
+
+def dist_info_name(version: str) -> str:
+    return f"vllm-{version.replace('-', '_')}.dist-info"
+
+
+def finder_source(tree: Path, version: str) -> str:
+    return FINDER.format(tree=str(tree), dist_info=dist_info_name(version))
 
 
 def detect_kernels() -> str:
@@ -165,9 +191,9 @@ def build_editable_wheel(tree: Path, version: str, metadata: str, entry_points: 
                          outdir: Path) -> Path:
     """A wheel holding a .pth + finder that point `import vllm` at the tree (PEP 660 style)."""
     tag = version.replace("-", "_")
-    info = f"vllm-{tag}.dist-info"
+    info = dist_info_name(version)
     files = {
-        "__editable___vllm_kv_series_finder.py": FINDER.format(tree=str(tree)),
+        FINDER_MODULE: finder_source(tree, version),
         "__editable__.vllm-kv-series.pth":
             "import __editable___vllm_kv_series_finder as f; f.install()\n",
         f"{info}/METADATA": metadata,
@@ -265,6 +291,29 @@ def install(release: Release, venv: Path, kernels: str) -> str:
         raise SeriesError(f"`import vllm` in {venv} resolves to {where}, not to {tree}.")
     marker.write_text(json.dumps(want) + "\n")
     return f"vLLM {release.version} ({kernels}) installed editable from {tree} in {venv}"
+
+
+def refresh_finder(venv: Path, tree: Path) -> bool:
+    """Bring an existing editable install's finder up to this version of FINDER (e.g. one made
+    before KVSERIES_VLLM_TREE existed) without reinstalling anything else. True if rewritten."""
+    code = (
+        "import importlib.metadata as m, json, pathlib\n"
+        "d = m.distribution('vllm')\n"
+        f"f = [str(p.locate()) for p in d.files if p.name == {FINDER_MODULE!r}]\n"
+        "print(json.dumps([f[0] if f else '', d.version, d.read_text('METADATA') or '',"
+        " d.read_text('entry_points.txt') or '']))\n"
+    )
+    finder, version, metadata, entry_points = json.loads(py(venv, code))
+    if not finder:
+        raise SeriesError(f"{venv} has no editable vLLM install of this harness.",
+                          "Run `make install VLLM_VERSION=<release>` first.")
+    if Path(finder).read_text() == finder_source(tree, version):
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        whl = build_editable_wheel(tree, version, metadata, entry_points, Path(tmp))
+        pip(venv, "install", "-q", "--no-deps", "--force-reinstall", str(whl))
+    mark_editable(venv, tree)
+    return True
 
 
 def default_venv(release: Release) -> Path:
