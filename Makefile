@@ -53,7 +53,7 @@ test-release:  ## one release (VLLM_VERSION) at its CI tiers
 test-gpu:  ## on a GPU host: each release's gpu tiers
 	$(S)/run_tests.py --gpu
 
-test-installed:  ## tests/gpu, tests/engine and overlay tests against the vLLM that $(PYTHON) imports
+test-installed:  ## tests/gpu and the overlay's tests against the vLLM $(PYTHON) imports (after overlay-install)
 	$(S)/run_tests.py --installed
 
 upstream-test:  ## vLLM's own curated tests, offline: patched tree vs the stock baseline
