@@ -37,7 +37,20 @@ def _run(model: Path, offload: bool):
     queue = ctx.Queue()
     proc = ctx.Process(target=_generate, args=(str(model), offload, queue))
     proc.start()
-    result = queue.get(timeout=600)
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_mod.Empty:
+            if not proc.is_alive():
+                pytest.fail(f"the engine process died (exit code {proc.exitcode}); see its log")
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("the engine process gave no result in 600 s")
     proc.join(timeout=120)
     return result
 
