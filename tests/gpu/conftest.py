@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The test process may have touched CUDA (e.g. the availability check below); engine
+# processes must then be spawned, not forked ("Cannot re-initialize CUDA in forked
+# subprocess").
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def _cuda_available() -> bool:
