@@ -78,6 +78,7 @@ class KVPageMapper:
         self.map_seconds = 0.0
         self.num_pages_mapped_total = 0
         self.num_pages_unmapped_total = 0
+        self.peak_mapped_bytes = 0
         self.apply(KVPageOps(map=initial_kv_pages(policy)))
         logger.info(
             "VMM-backed KV cache: %d virtual blocks (%.2f GiB reserved), "
@@ -115,11 +116,13 @@ class KVPageMapper:
             mapped = self.table.map_pages(self._table_pages(ops.map))
             self.num_pages_mapped_total += len(mapped)
         self.map_seconds += time.perf_counter() - start
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
     def stats(self) -> dict[str, float]:
         pps = self.geometry.pages_per_segment
         return {
             "kv_mapped_bytes": self.mapped_bytes,
+            "kv_mapped_bytes_peak": self.peak_mapped_bytes,
             "kv_pages_mapped_total": self.num_pages_mapped_total // pps,
             "kv_pages_unmapped_total": self.num_pages_unmapped_total // pps,
             "kv_map_seconds": self.map_seconds,
