@@ -114,3 +114,32 @@ def test_vmm_token_ids_match_default_memory_follows_load_and_limit(kv_model):
     assert stats[4][0]["kv_mapped_bytes"] <= 2 * page
     assert stats[4][0]["kv_pages_mapped_total"] == stats[3][0]["kv_pages_mapped_total"]
     assert stats[5][0]["kv_page_limit"] == 64
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 on CPU needs 2 cores")
+def test_vmm_tensor_parallel_2(kv_model, monkeypatch):
+    """TP=2 (the CPU backend's two workers, one core each) starts and serves with the option
+    on: both ranks map their own shard of the same pages, and token ids match option off."""
+    from vllm import LLM, SamplingParams
+
+    # The CPU workers bind their OpenMP threads to NUMA nodes; with one node, bind by hand.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[0]]
+    results = {}
+    for backend in ("default", "vmm"):
+        llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
+                  enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+                  kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2,
+                  kv_cache_memory_backend=backend)
+        try:
+            ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            results[backend] = ids, _wait_idle_stats(llm)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    assert results["vmm"][0] == results["default"][0]
+    rank0, rank1 = results["vmm"][1]
+    assert rank0["kv_pages_mapped_total"] == rank1["kv_pages_mapped_total"] >= 3
+    assert rank0["kv_mapped_bytes_peak"] == rank1["kv_mapped_bytes_peak"] > rank0["kv_mapped_bytes"]
