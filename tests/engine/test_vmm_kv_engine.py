@@ -1,0 +1,145 @@
+"""VMM-backed KV memory (--kv-cache-memory-backend vmm) in a real vLLM engine on CPU.
+
+The host VMM backend maps real Linux memory (memfd extents behind an mmap reservation) page by
+page; the engine, scheduler and worker are vLLM's own, with dummy weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+# Workers run in their own process (vLLM's default); the test reads their page tables through
+# collective_rpc with a function, which vLLM ships only when this is allowed.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+MAX_TOKENS = 8
+
+
+def _prompts() -> list[list[list[int]]]:
+    """Batches: 8 long prompts (several KV pages at once), 5 of mixed length, and a prompt
+    that shares a long cached prefix with the first batch."""
+    first = [[(7 * i + 3 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
+    second = [[(11 * i + 5 * j) % 4000 + 1 for j in range(40 + 150 * i)] for i in range(5)]
+    prefixed = [first[0][:512] + [(13 * j) % 4000 + 1 for j in range(70)]]
+    return [first, second, prefixed]
+
+
+def _worker_stats(worker) -> dict:
+    mapper = worker.model_runner.kv_page_mapper
+    return {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
+
+
+def _run(model: Path, backend: str, page_limit: int | None = None,
+         **kwargs) -> tuple[list[list[int]], list[dict]]:
+    """Token ids of every batch, and the workers' page stats at startup and after each batch.
+    With ``page_limit``, the first batch runs again after the limit is lowered to it."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0, kv_cache_memory_bytes=64 << 20,
+              enable_prefix_caching=True, kv_cache_memory_backend=backend, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+        ids: list[list[int]] = []
+        stats = [llm.collective_rpc(_worker_stats)]
+        for batch in _prompts():
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+            ids += [list(o.outputs[0].token_ids) for o in outs]
+            stats.append(_wait_idle_stats(llm))
+        if page_limit is not None:
+            pages = llm.set_kv_cache_page_limit(page_limit)
+            assert pages["kv_pages_mapped"] <= page_limit
+            outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[0]], params)
+            ids += [list(o.outputs[0].token_ids) for o in outs]
+            stats.append(llm.collective_rpc(_worker_stats))
+            stats.append([llm.set_kv_cache_page_limit(64)])
+        return ids, stats
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _wait_idle_stats(llm) -> list[dict]:
+    """Worker stats once the engine has applied the idle shrink (one empty step after the
+    last request finished; it runs in the engine process, asynchronously to the caller)."""
+    import time
+
+    deadline = time.monotonic() + 20
+    stats = llm.collective_rpc(_worker_stats)
+    while time.monotonic() < deadline and stats[0] and stats[0]["kv_pages_unmapped_total"] == 0:
+        time.sleep(0.2)
+        stats = llm.collective_rpc(_worker_stats)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def kv_model(tmp_path_factory) -> Path:
+    from tiny_model import make_tiny_model
+
+    # 4 KV heads: a 2 MiB page holds 16 blocks of 128 tokens per layer, so the first batch
+    # needs several pages and the test sees memory follow the load.
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny-llama", num_key_value_heads=4)
+
+
+def test_vmm_token_ids_match_default_memory_follows_load_and_limit(kv_model):
+    ref_ids, ref_stats = _run(kv_model, "default")
+    ids, stats = _run(kv_model, "vmm", page_limit=2, kv_cache_vmm_headroom_pages=1)
+    assert all(len(x) == MAX_TOKENS for x in ids)
+    # The first batch runs again (same ids) under a 2-page (31-block) limit, where its 8
+    # requests (40 blocks) cannot all run at once.
+    assert ids == ref_ids + ref_ids[:8]
+    assert ref_stats[0] == [{}]  # option off: no page table
+
+    start = stats[0][0]
+    page = start["page_bytes"]
+    assert start["kv_mapped_bytes"] == 2 * page  # the null block's page + 1 headroom page
+    after_first = stats[1][0]
+    # 8 x 608 tokens need 40 blocks of 128 tokens; startup maps 31 usable blocks (2 pages of
+    # 16), so the first batch mapped more pages, and they were given back afterwards.
+    assert after_first["kv_mapped_bytes_peak"] >= 4 * page
+    assert after_first["kv_pages_mapped_total"] >= 4
+    assert after_first["kv_pages_unmapped_total"] >= 2
+    # Back within one headroom page of the startup mapping once requests are done.
+    for batch_stats in stats[1:4]:
+        assert batch_stats[0]["kv_mapped_bytes"] <= start["kv_mapped_bytes"]
+    assert stats[3][0]["kv_map_seconds"] > 0
+    # Under the lowered limit, the rerun never mapped more than 2 pages.
+    assert stats[4][0]["kv_mapped_bytes"] <= 2 * page
+    assert stats[4][0]["kv_pages_mapped_total"] == stats[3][0]["kv_pages_mapped_total"]
+    assert stats[5][0]["kv_page_limit"] == 64
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 on CPU needs 2 cores")
+def test_vmm_tensor_parallel_2(kv_model, monkeypatch):
+    """TP=2 (the CPU backend's two workers, one core each) starts and serves with the option
+    on: both ranks map their own shard of the same pages, and token ids match option off."""
+    from vllm import LLM, SamplingParams
+
+    # The CPU workers bind their OpenMP threads to NUMA nodes; with one node, bind by hand.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[0]]
+    results = {}
+    for backend in ("default", "vmm"):
+        llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
+                  enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+                  kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2,
+                  kv_cache_memory_backend=backend)
+        try:
+            ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            results[backend] = ids, _wait_idle_stats(llm)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    assert results["vmm"][0] == results["default"][0]
+    rank0, rank1 = results["vmm"][1]
+    assert rank0["kv_pages_mapped_total"] == rank1["kv_pages_mapped_total"] >= 3
+    assert rank0["kv_mapped_bytes_peak"] == rank1["kv_mapped_bytes_peak"] > rank0["kv_mapped_bytes"]

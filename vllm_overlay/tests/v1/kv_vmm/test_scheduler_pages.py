@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The page-aware block pool: what the scheduler maps, unmaps and admits."""
+
+import pytest
+
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
+from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy
+from vllm.v1.kv_vmm.scheduler import PagedBlockPool
+
+BPP = 4  # blocks per page
+
+
+def make_pool(
+    num_blocks: int = 32,
+    headroom: int = 1,
+    max_pages: int | None = None,
+    shrink: str = "idle",
+    enable_caching: bool = True,
+) -> PagedBlockPool:
+    policy = KVPagePolicy(
+        granularity=2 << 20,
+        blocks_per_page=BPP,
+        max_pages=max_pages if max_pages is not None else -(-num_blocks // BPP),
+        headroom_pages=headroom,
+        shrink=shrink,  # type: ignore[arg-type]
+    )
+    return PagedBlockPool(
+        num_gpu_blocks=num_blocks,
+        enable_caching=enable_caching,
+        hash_block_size=16,
+        policy=policy,
+    )
+
+
+def pages_of(blocks: list[KVCacheBlock]) -> set[int]:
+    return {b.block_id // BPP for b in blocks}
+
+
+def cache(pool: PagedBlockPool, block: KVCacheBlock, key: int) -> None:
+    pool._insert_block_hash(
+        make_block_hash_with_group_id(BlockHash(key.to_bytes(8, "little")), 0),
+        block,
+        num_tokens=16,
+    )
+
+
+def test_startup_maps_the_null_block_page_and_headroom():
+    pool = make_pool(headroom=2)
+    assert pool.null_block.block_id == 0
+    assert pool.num_mapped_pages == 3
+    # Admission sees the whole pool, as with a fully allocated cache.
+    assert pool.get_num_free_blocks() == 31
+    # Nothing changed since startup: no page ops in the first step.
+    assert pool.take_page_ops() is None
+
+
+def test_fills_mapped_pages_before_mapping_new_ones():
+    pool = make_pool(headroom=1)
+    first = pool.get_new_blocks(7)  # pages 0 and 1 hold 7 usable blocks
+    assert pages_of(first) == {0, 1}
+    assert pool.num_mapped_pages == 2
+    ops = pool.take_page_ops()  # headroom: one free page mapped ahead
+    assert ops == KVPageOps(map=[2], unmap=[])
+    more = pool.get_new_blocks(6)
+    assert pages_of(more) == {2, 3}
+    assert pool.take_page_ops() == KVPageOps(map=[3, 4], unmap=[])
+
+
+def test_reuses_freed_blocks_of_mapped_pages():
+    pool = make_pool(headroom=0, shrink="never")
+    blocks = pool.get_new_blocks(7)
+    pool.take_page_ops()
+    pool.free_blocks(blocks)
+    again = pool.get_new_blocks(7)
+    assert pages_of(again) == {0, 1}
+    assert pool.take_page_ops() is None
+
+
+def test_idle_shrink_returns_to_headroom_and_evicts_cached_blocks():
+    pool = make_pool(headroom=1)
+    blocks = pool.get_new_blocks(20)
+    assert pool.take_page_ops() == KVPageOps(map=[2, 3, 4, 5, 6], unmap=[])
+    for i, block in enumerate(blocks):
+        cache(pool, block, i)
+    assert not pool.wants_page_step()  # blocks in use: nothing to give back
+    pool.free_blocks(blocks)
+    assert pool.idle and pool.wants_page_step()
+    ops = pool.take_page_ops()
+    assert ops is not None and sorted(ops.unmap) == [2, 3, 4, 5, 6] and not ops.map
+    assert pool.num_mapped_pages == 2  # the null block's page + one headroom page
+    # Cached blocks of unmapped pages are gone from the prefix cache.
+    assert all(b.block_hash is None for b in blocks if b.block_id >= 2 * BPP)
+    assert len(pool.cached_block_hash_to_block) == sum(
+        b.block_id < 2 * BPP for b in blocks
+    )
+    assert not pool.wants_page_step()
+    assert pool.get_num_free_blocks() == 31
+    # Memory comes back when needed, lowest pages first.
+    assert pages_of(pool.get_new_blocks(12)) == {0, 1, 2, 3}
+
+
+def test_never_shrink_keeps_pages():
+    pool = make_pool(headroom=1, shrink="never")
+    blocks = pool.get_new_blocks(20)
+    pool.take_page_ops()
+    pool.free_blocks(blocks)
+    assert not pool.wants_page_step()
+    assert pool.take_page_ops() is None
+    assert pool.num_mapped_pages == 7
+
+
+def test_physical_limit_bounds_admission_and_mapping():
+    pool = make_pool(max_pages=3, headroom=5)
+    assert pool.get_num_free_blocks() == 3 * BPP - 1
+    # The startup headroom is capped by the limit.
+    assert pool.num_mapped_pages == 3
+    assert pool.take_page_ops() is None
+    pool.get_new_blocks(11)
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks"):
+        pool.get_new_blocks(1)
+
+
+def test_lowering_the_limit_unmaps_free_pages_cached_ones_too():
+    pool = make_pool(headroom=0, shrink="never")
+    used = pool.get_new_blocks(3)  # page 0
+    cached = pool.get_new_blocks(12)  # pages 1-3
+    for i, block in enumerate(cached):
+        cache(pool, block, i)
+    pool.free_blocks(cached)
+    pool.take_page_ops()
+    assert pool.num_mapped_pages == 4
+    pool.set_max_pages(2)
+    assert pool.get_num_free_blocks() == 2 * BPP - 1 - len(used)
+    assert pool.wants_page_step()
+    ops = pool.take_page_ops()
+    assert ops is not None and sorted(ops.unmap) == [2, 3]
+    assert pool.num_mapped_pages == 2
+    assert all(b.block_hash is None for b in cached if b.block_id >= 2 * BPP)
+    with pytest.raises(ValueError, match="at least 1 page"):
+        pool.set_max_pages(0)
+    pool.set_max_pages(8)
+    assert pool.get_num_free_blocks() == 31 - len(used)
+
+
+def test_partial_last_page():
+    pool = make_pool(num_blocks=30, headroom=0)  # last page holds 2 blocks
+    assert pool.num_pages == 8
+    assert pool.get_num_free_blocks() == 29
+    blocks = pool.get_new_blocks(29)
+    assert sorted(b.block_id for b in blocks) == list(range(1, 30))
+    assert pool.get_num_free_blocks() == 0
+
+
+def test_reset_prefix_cache_with_unmapped_pages():
+    pool = make_pool(headroom=0, shrink="never")
+    blocks = pool.get_new_blocks(10)
+    for i, block in enumerate(blocks):
+        cache(pool, block, i)
+    pool.free_blocks(blocks)
+    assert pool.reset_prefix_cache()
+    assert len(pool.cached_block_hash_to_block) == 0

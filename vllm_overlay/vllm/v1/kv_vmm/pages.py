@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the scheduler and the workers agree on for VMM-backed KV memory.
+
+The engine core fixes one :class:`KVPagePolicy` for every rank and the
+scheduler before anything is allocated, so a page id means the same block
+ids everywhere. The scheduler sends :class:`KVPageOps` in each step message;
+every TP and PP rank applies them to its own shard of the KV memory before
+its forward pass. No rank guesses the world size and no thread is started.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: Granularity of the page arithmetic. 2 MiB is the host backend's default
+#: and the CUDA VMM granularity of current data-center GPUs; the worker
+#: refuses a backend whose granularity does not divide it.
+KV_PAGE_GRANULARITY = 2 << 20
+
+KVPageShrinkPolicy = Literal["idle", "never"]
+
+
+@dataclass
+class KVPagePolicy:
+    """Page size and physical budget shared by the scheduler and all ranks."""
+
+    granularity: int
+    blocks_per_page: int
+    """Block ids per page, the same on every rank (a multiple of each rank's
+    own smallest mappable unit)."""
+    max_pages: int
+    """Physical limit in pages; may change at runtime."""
+    headroom_pages: int = 1
+    """Free mapped pages the scheduler keeps ahead of demand."""
+    shrink: KVPageShrinkPolicy = "idle"
+
+
+@dataclass
+class KVPageOps:
+    """Page ids to unmap, then to map, before the next forward pass."""
+
+    map: list[int] = field(default_factory=list)
+    unmap: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.map or self.unmap)
+
+
+def kv_backing_layout(kv_cache_config: "KVCacheConfig") -> KVTensorLayout:
+    """Layout of the one backing allocation all KV tensors of a rank share.
+
+    Block ``b`` of layer ``l`` lives at ``offset + l * layer_stride + b *
+    block_stride``. Block-outermost layouts are one region (all layers of a
+    block are adjacent); layer-outermost layouts are one region per layer
+    slot, each holding every block.
+    """
+    tensors = kv_cache_config.kv_cache_tensors
+    num_blocks = kv_cache_config.num_blocks
+    block_strides = {t.block_stride for t in tensors}
+    unsupported = (
+        f"VMM-backed KV memory (--kv-cache-memory-backend vmm) does not "
+        f"support this KV cache layout ({tensors}); use the default backend"
+    )
+    if len(block_strides) != 1 or any(t.host_resident for t in tensors):
+        raise NotImplementedError(unsupported)
+    block_stride = block_strides.pop()
+    region_bytes = num_blocks * block_stride
+    size = tensors[0].size
+    if size % region_bytes:
+        raise NotImplementedError(unsupported)
+    num_regions = size // region_bytes
+    if num_regions > 1 and any(
+        t.offset % region_bytes or (len(t.layers) > 1 and t.layer_stride % region_bytes)
+        for t in tensors
+    ):
+        raise NotImplementedError(unsupported)
+    return KVTensorLayout(
+        block_bytes=num_regions * block_stride, num_regions=num_regions
+    )
+
+
+def kv_page_geometry(
+    kv_cache_config: "KVCacheConfig",
+    granularity: int,
+    blocks_per_page: int | None = None,
+) -> KVPageGeometry:
+    """The page geometry of one rank; ``blocks_per_page`` (the policy's)
+    must be a multiple of the rank's own smallest mappable unit."""
+    layout = kv_backing_layout(kv_cache_config)
+    unit = KVPageGeometry([layout], 1, granularity).blocks_per_page
+    if blocks_per_page is None:
+        blocks_per_page = unit
+    if blocks_per_page % unit:
+        raise ValueError(
+            f"{blocks_per_page} blocks per page is not a multiple of this "
+            f"rank's mappable unit of {unit} blocks"
+        )
+    return KVPageGeometry(
+        [layout],
+        kv_cache_config.num_blocks,
+        granularity,
+        pages_per_segment=blocks_per_page // unit,
+    )
+
+
+def virtual_kv_cache_config(
+    kv_cache_config: "KVCacheConfig", geometry: KVPageGeometry
+) -> "KVCacheConfig":
+    """``kv_cache_config`` addressing ``geometry.num_blocks`` blocks.
+
+    Block ids past the pool's are never handed out; they only round the
+    regions up to whole pages so that a page is whole granules everywhere.
+    """
+    layout = geometry.layouts[0]
+    block_stride = layout.region_block_bytes
+    old_region = kv_cache_config.num_blocks * block_stride
+    new_region = geometry.num_blocks * block_stride
+
+    def rescale(nbytes: int) -> int:
+        if layout.num_regions == 1:
+            return nbytes
+        return (nbytes // old_region) * new_region + nbytes % old_region
+
+    tensors = [
+        replace(
+            t,
+            size=geometry.tensor_bytes[0],
+            offset=rescale(t.offset),
+            layer_stride=rescale(t.layer_stride),
+        )
+        for t in kv_cache_config.kv_cache_tensors
+    ]
+    return replace(
+        kv_cache_config, num_blocks=geometry.num_blocks, kv_cache_tensors=tensors
+    )
+
+
+def initial_kv_pages(policy: KVPagePolicy) -> list[int]:
+    """Pages mapped at startup on every rank, before any step message: the
+    null block's page and the headroom."""
+    return list(range(min(1 + policy.headroom_pages, max(policy.max_pages, 1))))
+
+
+def make_kv_page_policy(
+    cache_config: "CacheConfig",
+    kv_cache_configs: "list[KVCacheConfig]",
+    granularity: int = KV_PAGE_GRANULARITY,
+) -> KVPagePolicy:
+    """One policy for all ranks: pages as large as the largest rank's
+    smallest mappable unit requires, budget = the blocks profiling found."""
+    blocks_per_page = math.lcm(
+        *(kv_page_geometry(c, granularity).blocks_per_page for c in kv_cache_configs)
+    )
+    num_blocks = min(c.num_blocks for c in kv_cache_configs)
+    budget_pages = max(1, num_blocks // blocks_per_page)
+    max_pages = cache_config.kv_cache_vmm_max_pages
+    if max_pages is None:
+        max_pages = budget_pages
+    return KVPagePolicy(
+        granularity=granularity,
+        blocks_per_page=blocks_per_page,
+        max_pages=max_pages,
+        headroom_pages=cache_config.kv_cache_vmm_headroom_pages,
+        shrink=cache_config.kv_cache_vmm_shrink,
+    )
+
+
+def set_kv_page_policy(
+    cache_config: "CacheConfig", kv_cache_configs: "list[KVCacheConfig]"
+) -> KVPagePolicy | None:
+    """Attach the policy to every KV cache config when VMM is selected."""
+    if cache_config.kv_cache_memory_backend != "vmm":
+        return None
+    policy = make_kv_page_policy(cache_config, kv_cache_configs)
+    for config in kv_cache_configs:
+        config.kv_page_policy = policy
+    return policy

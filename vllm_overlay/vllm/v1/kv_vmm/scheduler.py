@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Page-aware block pool: physical KV pages follow the blocks in use.
+
+The free queue holds only blocks of mapped pages, so allocation fills mapped
+pages first (in vLLM's usual LRU order) and a new page is mapped only when
+they run out. Blocks of unmapped pages still count as free up to the
+physical limit, so admission works as with a fully allocated cache. The
+decisions are queued as :class:`KVPageOps` and sent to every rank in the
+step message.
+"""
+
+from collections.abc import Iterable
+
+from vllm.logger import init_logger
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
+
+logger = init_logger(__name__)
+
+
+class PagedBlockPool(BlockPool):
+    """:class:`BlockPool` whose blocks live on pages mapped on demand.
+
+    Args:
+        policy: page size, limit, headroom and shrink policy (the same
+            object every rank received).
+        *args, **kwargs: as for :class:`BlockPool`.
+
+    """
+
+    def __init__(self, *args, policy: KVPagePolicy, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+        bpp = policy.blocks_per_page
+        self.num_pages = -(-self.num_gpu_blocks // bpp)
+        self._mapped: set[int] = set()
+        self._pending = KVPageOps()
+        self.num_pages_mapped_total = 0
+        self.num_pages_unmapped_total = 0
+        # Rebuild the free queue from the initially mapped pages only; the
+        # null block (block 0) was popped by the base class and its page is
+        # one of them, mapped on every rank at startup.
+        initial = initial_kv_pages(policy)
+        self._mapped.update(initial)
+        self._num_mapped_blocks = sum(len(self._page_blocks(p)) for p in initial)
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue(
+            [b for p in initial for b in self._page_blocks(p) if not b.is_null]
+        )
+
+    # -- accounting ---------------------------------------------------------
+    @property
+    def num_mapped_pages(self) -> int:
+        return len(self._mapped)
+
+    def _page_blocks(self, page: int) -> list[KVCacheBlock]:
+        bpp = self.policy.blocks_per_page
+        return self.blocks[page * bpp : min((page + 1) * bpp, self.num_gpu_blocks)]
+
+    def _growable_blocks(self) -> int:
+        # Pages are mapped lowest id first, so only the last page (which may
+        # be partial) can be among the growable ones when all are.
+        num_unmapped = self.num_pages - len(self._mapped)
+        pages = min(max(self.policy.max_pages - len(self._mapped), 0), num_unmapped)
+        blocks = pages * self.policy.blocks_per_page
+        if pages and pages == num_unmapped and (self.num_pages - 1) not in self._mapped:
+            blocks -= self.num_pages * self.policy.blocks_per_page - self.num_gpu_blocks
+        return blocks
+
+    @property
+    def idle(self) -> bool:
+        """No block is in use (cached free blocks do not count)."""
+        return self.free_block_queue.num_free_blocks == self._num_mapped_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks + self._growable_blocks()
+
+    # -- allocation -----------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        missing = num_blocks - self.free_block_queue.num_free_blocks
+        if missing > 0:
+            if missing > self._growable_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            self._grow(missing)
+        return super().get_new_blocks(num_blocks)
+
+    def _grow(self, num_blocks: int) -> None:
+        new_pages: list[int] = []
+        for page in range(self.num_pages):
+            if num_blocks <= 0:
+                break
+            if page in self._mapped:
+                continue
+            new_pages.append(page)
+            num_blocks -= len(self._page_blocks(page))
+        self._map(new_pages)
+
+    def _map(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        self._mapped.update(pages)
+        self._num_mapped_blocks += sum(len(self._page_blocks(p)) for p in pages)
+        self._pending.map.extend(pages)
+        self.num_pages_mapped_total += len(pages)
+        # Fresh blocks go to the back: blocks already mapped, cached ones
+        # included, are reused first.
+        self.free_block_queue.append_n([b for p in pages for b in self._page_blocks(p)])
+
+    def _unmap(self, pages: Iterable[int]) -> None:
+        pages = sorted(pages)
+        for page in pages:
+            blocks = self._page_blocks(page)
+            if self._reuse_watchers:
+                self._notify_reuse(blocks)
+            for block in blocks:
+                assert block.ref_cnt == 0 and not block.is_null
+                self._maybe_evict_cached_block(block)
+                self.free_block_queue.remove(block)
+            self._mapped.discard(page)
+            self._num_mapped_blocks -= len(blocks)
+        self._pending.unmap.extend(pages)
+        self.num_pages_unmapped_total += len(pages)
+
+    def _free_pages(self) -> list[int]:
+        """Mapped pages none of whose blocks is in use, highest id first."""
+        return sorted(
+            (
+                p
+                for p in self._mapped
+                if p != 0 and all(b.ref_cnt == 0 for b in self._page_blocks(p))
+            ),
+            reverse=True,
+        )
+
+    # -- per step -----------------------------------------------------------
+    def take_page_ops(self) -> KVPageOps | None:
+        """Page changes for this step's message, after the headroom and the
+        limit are enforced."""
+        policy = self.policy
+        if len(self._mapped) > policy.max_pages:
+            self._shrink_to_limit()
+        elif self.idle and policy.shrink == "idle":
+            # Keep the lowest free pages as headroom: pages stay compact.
+            free = self._free_pages()
+            self._unmap(free[: max(len(free) - policy.headroom_pages, 0)])
+        headroom = policy.headroom_pages * policy.blocks_per_page
+        short = headroom - self.free_block_queue.num_free_blocks
+        if short > 0 and len(self._mapped) < policy.max_pages:
+            self._grow(min(short, self._growable_blocks()))
+        if not self._pending:
+            return None
+        ops, self._pending = self._pending, KVPageOps()
+        # A page unmapped and mapped again in the same step stays mapped.
+        both = set(ops.map) & set(ops.unmap)
+        if both:
+            ops = KVPageOps(
+                map=[p for p in ops.map if p not in both],
+                unmap=[p for p in ops.unmap if p not in both],
+            )
+        return ops
+
+    def wants_page_step(self) -> bool:
+        """Whether an otherwise empty step should run to apply page changes
+        (e.g. shrink after the last request finished)."""
+        if self._pending or len(self._mapped) > self.policy.max_pages:
+            return True
+        return (
+            self.idle
+            and self.policy.shrink == "idle"
+            and len(self._free_pages()) > self.policy.headroom_pages
+        )
+
+    def _shrink_to_limit(self) -> None:
+        # Give back free pages, cached prefix blocks on them included; pages
+        # still in use go at a later step, once their requests free them.
+        excess = len(self._mapped) - self.policy.max_pages
+        if excess > 0:
+            self._unmap(self._free_pages()[:excess])
+
+    def set_max_pages(self, max_pages: int) -> None:
+        """Change the physical limit. Lowering it unmaps free pages at once
+        (evicting the cached prefix blocks on them; the workers apply it at
+        the next step) and stops admitting requests beyond it."""
+        if max_pages < 1:
+            raise ValueError(
+                f"the KV page limit must be at least 1 page (the null block's); "
+                f"got {max_pages}"
+            )
+        self.policy.max_pages = max_pages
+        self._shrink_to_limit()
+        logger.info("KV page limit set to %d pages", max_pages)
+
+    def page_stats(self) -> dict[str, float]:
+        return {
+            "kv_pages_mapped": len(self._mapped),
+            "kv_pages_mapped_total": self.num_pages_mapped_total,
+            "kv_pages_unmapped_total": self.num_pages_unmapped_total,
+            "kv_page_limit": self.policy.max_pages,
+        }
