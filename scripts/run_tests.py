@@ -72,7 +72,7 @@ def upstream(version: str, results: list) -> None:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         summary = Path(f.name)
     cmd = [sys.executable, str(ROOT / "scripts" / "upstream_test.py"), "--version", version,
-           "--summary-json", str(summary)]
+           "--ci", "--summary-json", str(summary)]
     print(f"\n=== {version} upstream: {' '.join(cmd)}", flush=True)
     rc = subprocess.call(cmd)
     try:
