@@ -91,6 +91,18 @@ def subject(tree: Path, commit: str) -> str:
     return git_out(tree, "log", "-1", "--format=%s", commit)
 
 
+def require_applied_tree(release: Release, action: str, clean: bool = True) -> Path:
+    """The build tree, applied (and clean, unless clean=False), for an action that works
+    from it; else an error."""
+    tree = release.tree
+    if not is_build_tree(tree, release) or not read_state(tree).get("overlay"):
+        raise SeriesError(f"there is no applied build tree at {tree}.",
+                          f"Run `make apply VLLM_VERSION={release.version}` first.")
+    if clean:
+        require_clean(tree, release, action)
+    return tree
+
+
 def require_clean(tree: Path, release: Release, action: str) -> None:
     v = release.version
     if in_progress_am(tree):

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from buildtree import commits_after, is_build_tree, require_clean  # noqa: E402
+from buildtree import commits_after, require_applied_tree  # noqa: E402
 from seriestool import (  # noqa: E402
     HARNESS_IDENT, SeriesError, build_dir, format_patch_args, get_release, main_guard,
     overlay_digest, read_state, run,
@@ -39,11 +39,7 @@ def user_ident(tree: Path) -> tuple[str, str]:
 
 
 def export(release, out: Path) -> list[Path]:
-    tree = release.tree
-    if not is_build_tree(tree, release):
-        raise SeriesError(f"there is no build tree at {tree}.",
-                          f"Run `make apply VLLM_VERSION={release.version}` first.")
-    require_clean(tree, release, "export")
+    tree = require_applied_tree(release, "export")
     state = read_state(tree)
     commits = commits_after(tree, release.tag)
     in_sync = (

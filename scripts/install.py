@@ -34,9 +34,9 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from buildtree import is_build_tree  # noqa: E402
+from buildtree import require_applied_tree  # noqa: E402
 from seriestool import (  # noqa: E402
-    ROOT, Release, SeriesError, build_dir, get_release, main_guard, read_state, run, sha256_file,
+    ROOT, Release, SeriesError, build_dir, get_release, main_guard, run, sha256_file,
 )
 
 CPU_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
@@ -227,10 +227,7 @@ def mark_editable(venv: Path, tree: Path) -> None:
 
 
 def install(release: Release, venv: Path, kernels: str) -> str:
-    tree = release.tree
-    if not is_build_tree(tree, release) or not read_state(tree).get("overlay"):
-        raise SeriesError(f"there is no applied build tree at {tree}.",
-                          f"Run `make apply VLLM_VERSION={release.version}` first.")
+    tree = require_applied_tree(release, "install", clean=False)  # edits need no reinstall
     if kernels not in ("cpu", "cuda", "none"):
         raise SeriesError(f"unknown kernel flavour {kernels!r}.",
                           "Use VLLM_KERNELS=cpu, cuda or none (or leave it unset to detect).")

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from buildtree import commits_after, is_build_tree, require_clean, subject  # noqa: E402
+from buildtree import commits_after, require_applied_tree, subject  # noqa: E402
 from seriestool import (  # noqa: E402
     SeriesError, format_patch_args, get_release, git, git_out, main_guard, overlay_files,
     read_series, read_state, sha256_file, version_from_args, write_state,
@@ -24,11 +24,7 @@ from seriestool import (  # noqa: E402
 
 
 def refresh(release) -> list[str]:
-    tree = release.tree
-    if not is_build_tree(tree, release):
-        raise SeriesError(f"there is no build tree at {tree}.",
-                          f"Run `make apply VLLM_VERSION={release.version}` first.")
-    require_clean(tree, release, "refresh")
+    tree = require_applied_tree(release, "refresh")
     state = read_state(tree)
     commits = commits_after(tree, release.tag)
     if not commits or not state.get("overlay") or commits[0] != state["overlay"]["commit"]:

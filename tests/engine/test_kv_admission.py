@@ -32,6 +32,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny_model import make_tiny_model
 
 # Tiny Llama: 2 layers, 2 kv heads of 64 (the smallest head size the CPU
 # attention kernels take), bf16. Each PP stage holds one layer:
@@ -86,33 +87,10 @@ ENGINE_SCRIPT = textwrap.dedent(
 )
 
 
-def _shared_model_config(name: str) -> Path:
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "models" / name / "config.json"
-        if candidate.is_file():
-            return candidate
-    pytest.skip(f"public model config {name} not found")
-
-
 @pytest.fixture
 def tiny_llama(tmp_path) -> Path:
-    config = json.loads(_shared_model_config("Llama-3.1-8B-Instruct").read_text())
-    config.update(
-        num_hidden_layers=2,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=1 << 22,
-        torch_dtype="bfloat16",
-    )
-    config.pop("rope_scaling", None)
-    model_dir = tmp_path / "tiny-llama"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return model_dir
+    return make_tiny_model(tmp_path / "tiny-llama", head_dim=64, vocab_size=512,
+                           max_position_embeddings=1 << 22)
 
 
 def _omp_binding() -> str:

@@ -24,18 +24,15 @@ copy engine replaced by a host copy (see that module).
 from __future__ import annotations
 
 import gc
-import json
 import os
 from pathlib import Path
 
 import pytest
+from tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.engine
 
 HERE = Path(__file__).resolve().parent
-MODELS = Path(
-    os.environ.get("KVSERIES_MODELS", HERE.parent.parent.parent / "shared" / "models")
-)
 
 BLOCK_TOKENS = 128  # the CPU backend's default KV block size
 BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # layers * (K, V) * kv heads * head dim * bf16
@@ -46,24 +43,6 @@ PREFIX_TOKENS = 3 * BLOCK_TOKENS
 # some come back from the GPU prefix cache, some from the CPU pool, and some
 # are recomputed.
 ORDER = "ABCADBEACFBADAEF"
-
-
-def _tiny_llama(dest: Path) -> Path:
-    config = json.loads((MODELS / "Llama-3.1-8B-Instruct" / "config.json").read_text())
-    config.update(
-        num_hidden_layers=2,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-    )
-    config.pop("rope_scaling", None)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(config))
-    return dest
 
 
 def _prompts() -> list[dict]:
@@ -130,7 +109,7 @@ def test_offloading_keeps_greedy_output_and_moves_kv(
         "PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model = _tiny_llama(tmp_path / "tiny-llama")
+    model = make_tiny_model(tmp_path / "tiny-llama")
 
     baseline, baseline_cached, _ = _run(model, offload=False)
     offloaded, offloaded_cached, metrics = _run(model, offload=True)
