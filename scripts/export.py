@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from buildtree import commits_after, require_applied_tree  # noqa: E402
+from buildtree import (  # noqa: E402
+    commits_after, desired_patches, recorded_commits, require_applied_tree,
+)
 from seriestool import (  # noqa: E402
     HARNESS_IDENT, SeriesError, build_dir, format_patch_args, get_release, main_guard,
     overlay_digest, read_state, run,
 )
-from buildtree import desired_patches  # noqa: E402
 
 
 def user_ident(tree: Path) -> tuple[str, str]:
@@ -45,7 +46,7 @@ def export(release, out: Path) -> list[Path]:
     in_sync = (
         state.get("overlay", {}).get("digest") == overlay_digest()
         and [(p["name"], p["digest"]) for p in state.get("patches", [])] == desired_patches(release)
-        and commits == [state["overlay"]["commit"]] + [p["commit"] for p in state["patches"]]
+        and commits == recorded_commits(state)
     )
     if not in_sync:
         raise SeriesError(

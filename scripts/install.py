@@ -126,20 +126,6 @@ def ensure_venv(venv: Path) -> None:
     pip(venv, "install", "-q", "--upgrade", "pip")
 
 
-def installed_dist(venv: Path, names: list[str]) -> tuple[str, str] | None:
-    """(dist name, version) of the first installed distribution among names."""
-    code = (
-        "import importlib.metadata as m\n"
-        f"for n in {names!r}:\n"
-        "    try:\n"
-        "        print(n, m.version(n)); break\n"
-        "    except m.PackageNotFoundError:\n"
-        "        pass\n"
-    )
-    out = py(venv, code)
-    return tuple(out.split()) if out else None  # type: ignore[return-value]
-
-
 def copy_kernels(venv: Path, dist: str, tree: Path) -> list[str]:
     """Copy the wheel's files under vllm/ that the source tree lacks (compiled kernels,
     generated files) into the tree; they are build outputs, so git is told to ignore them."""
