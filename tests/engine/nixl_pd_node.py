@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One vLLM instance of the prefill/decode disaggregation test (NixlConnector).
+
+Roles:
+- ``single``: generates every prompt alone (the reference).
+- ``prefill``: generates each prompt with max_tokens=1 and
+  ``kv_transfer_params={"do_remote_decode": True}``, writes the returned
+  transfer params to ``<dir>/params.json`` and keeps its KV blocks (and NIXL
+  agent) alive until ``<dir>/decode.done`` appears.
+- ``decode``: waits for ``params.json``, generates each prompt with the
+  prefill's params (NIXL reads the prompt's KV from the prefill instance over
+  UCX), then writes ``decode.done``.
+
+Every role writes ``<dir>/<role>.json``: token ids per prompt, plus the
+worker's KV page stats when the KV memory backend is ``vmm``.
+
+Each instance is a separate OS process with its own engine core and worker;
+they meet only through the NIXL side channel (ZMQ on localhost) and UCX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+# Page stats are read from the worker through collective_rpc with a function.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def _worker_stats(worker) -> dict:
+    mapper = getattr(worker.model_runner, "kv_page_mapper", None)
+    return {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
+
+
+def _nixl_metrics(llm) -> dict[str, float]:
+    """NixlConnector's Prometheus metrics of this instance: counters by value, histograms by
+    sum and count."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:nixl"):
+            continue
+        if hasattr(m, "sum"):
+            out[m.name + ":sum"] = out.get(m.name + ":sum", 0) + m.sum
+            out[m.name + ":count"] = out.get(m.name + ":count", 0) + m.count
+        elif hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", choices=("single", "prefill", "decode"), required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--backend", default="default")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--kv-bytes", type=int, default=64 << 20)
+    parser.add_argument("--extra", default="{}", help="JSON of extra LLM kwargs")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    prompts = json.loads((args.dir / "prompts.json").read_text())
+    kwargs = dict(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_seqs=8,
+        seed=0,
+        kv_cache_memory_bytes=args.kv_bytes,
+        # Every prompt token must come through NIXL, not from a local cache hit.
+        enable_prefix_caching=False,
+        kv_cache_memory_backend=args.backend,
+        # The decode instance reports NIXL transfer metrics (bytes read from the prefill).
+        disable_log_stats=False,
+        **json.loads(args.extra),
+    )
+    if args.role != "single":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
+            kv_buffer_device="cpu",
+        )
+    llm = LLM(**kwargs)
+    try:
+        out: dict = {"stats": [llm.collective_rpc(_worker_stats)]}
+        if args.role == "single":
+            params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                    detokenize=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+        elif args.role == "prefill":
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
+                               extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                for _ in prompts
+            ]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+            transfer = [o.kv_transfer_params for o in outs]
+            tmp = args.dir / "params.json.tmp"
+            tmp.write_text(json.dumps(transfer))
+            tmp.rename(args.dir / "params.json")
+            # The decode instance reads our blocks; they stay allocated until it
+            # reports each read done (or the lease expires).
+            _wait_for(args.dir / "decode.done", timeout=600)
+            out["stats"].append(llm.collective_rpc(_worker_stats))
+        else:
+            _wait_for(args.dir / "params.json", timeout=600)
+            transfer = json.loads((args.dir / "params.json").read_text())
+            # Requests arrive in two waves: the second starts after the first
+            # finished, so a VMM decode instance maps pages while running.
+            out["token_ids"] = []
+            half = max(1, len(prompts) // 2)
+            for lo, hi in ((0, half), (half, len(prompts))):
+                if lo >= hi:
+                    continue
+                params = [
+                    SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                   detokenize=False,
+                                   extra_args={"kv_transfer_params": transfer[i]})
+                    for i in range(lo, hi)
+                ]
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts[lo:hi]], params)
+                out["token_ids"] += [list(o.outputs[0].token_ids) for o in outs]
+                out.setdefault("cached_tokens", []).extend(
+                    o.num_cached_tokens for o in outs)
+                out["stats"].append(llm.collective_rpc(_worker_stats))
+                out.setdefault("nixl", []).append(_nixl_metrics(llm))
+            (args.dir / "decode.done").write_text("")
+        (args.dir / f"{args.role}.json").write_text(json.dumps(out))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

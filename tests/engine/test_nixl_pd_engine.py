@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Prefill/decode disaggregation through NixlConnector between two real vLLM instances on CPU.
+
+A prefill instance and a decode instance (each its own process tree, vLLM's engine core and
+CPU worker, dummy weights) exchange KV through real NIXL agents over UCX on the loopback, with
+the KV cache in host memory (kv_buffer_device="cpu"). No proxy: the prefill instance runs each
+prompt with max_tokens=1 and hands its kv_transfer_params to the decode instance. The decode's
+token ids must equal a single instance's, and the decode must have taken the prompt's KV from
+the prefill instance (kv_load_failure_policy is "fail", and the prompt tokens count as
+externally computed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+nixl = pytest.importorskip("nixl", reason="NixlConnector needs the nixl package")
+
+NODE = Path(__file__).with_name("nixl_pd_node.py")
+MAX_TOKENS = 6
+TIMEOUT = 600
+# The CPU backend's block size; K and V of 2 layers x 4 KV heads x 64 dims in bfloat16.
+BLOCK_SIZE = 128
+BLOCK_KV_BYTES = 2 * 2 * 4 * 64 * 2 * BLOCK_SIZE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompts() -> list[list[int]]:
+    """A short prompt, two mid-sized ones and one of 3000 tokens: 24 blocks of 128 tokens,
+    more than one VMM page (16 blocks) holds."""
+    lengths = [37, 300, 700, 3000]
+    return [[(7 * i + 13 * j) % 4000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def _env(port: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    # UCX between two processes of one host over the loopback.
+    env.setdefault("UCX_TLS", "tcp,self,sm")
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    if port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    return env
+
+
+def _start(role: str, model: Path, workdir: Path, backend: str, port: int | None,
+           extra: dict | None = None) -> subprocess.Popen:
+    log = open(workdir / f"{role}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, str(NODE), "--role", role, "--model", str(model),
+         "--dir", str(workdir), "--backend", backend, "--max-tokens", str(MAX_TOKENS),
+         "--extra", json.dumps(extra or {})],
+        env=_env(port), stdout=log, stderr=subprocess.STDOUT)
+
+
+def _finish(procs: list[subprocess.Popen], workdir: Path) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p in procs:
+        if p.returncode != 0:
+            role = p.args[p.args.index("--role") + 1]
+            tail = (workdir / f"{role}.log").read_text()[-6000:]
+            pytest.fail(f"{role} instance exited with {p.returncode}:\n{tail}")
+
+
+def run_single(model: Path, workdir: Path, backend: str = "default") -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prompts.json").write_text(json.dumps(_prompts()))
+    _finish([_start("single", model, workdir, backend, None)], workdir)
+    return json.loads((workdir / "single.json").read_text())
+
+
+def run_disaggregated(model: Path, workdir: Path, backend: str,
+                      prefill_extra: dict | None = None,
+                      decode_extra: dict | None = None) -> tuple[dict, dict]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prompts.json").write_text(json.dumps(_prompts()))
+    prefill = _start("prefill", model, workdir, backend, _free_port(), prefill_extra)
+    decode = _start("decode", model, workdir, backend, _free_port(), decode_extra)
+    _finish([prefill, decode], workdir)
+    return (json.loads((workdir / "prefill.json").read_text()),
+            json.loads((workdir / "decode.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def pd_model(tmp_path_factory) -> Path:
+    from tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny-llama", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def reference(pd_model, tmp_path_factory) -> list[list[int]]:
+    return run_single(pd_model, tmp_path_factory.mktemp("single"))["token_ids"]
+
+
+def _check(reference: list[list[int]], prefill: dict, decode: dict) -> None:
+    assert all(len(ids) == MAX_TOKENS for ids in reference)
+    # The prefill instance's one token is the first token of the full generation.
+    assert [ids[:1] for ids in prefill["token_ids"]] == [ids[:1] for ids in reference]
+    assert decode["token_ids"] == reference
+    # The decode read the prompts' KV from the prefill instance through NIXL: at least the
+    # K and V of every layer for every full block of every prompt.
+    nixl = decode["nixl"][-1]
+    assert nixl.get("vllm:nixl_num_failed_transfers", 0) == 0
+    full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
+    assert nixl["vllm:nixl_bytes_transferred:sum"] >= full_blocks * BLOCK_KV_BYTES
+
+
+def test_disaggregated_stock_kv_matches_single_instance(pd_model, reference, tmp_path):
+    prefill, decode = run_disaggregated(pd_model, tmp_path, "default")
+    _check(reference, prefill, decode)
+
