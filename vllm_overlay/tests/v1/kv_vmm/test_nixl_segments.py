@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NixlSegmentRegistry and SegmentedXferAgent with real NIXL agents (UCX over
+the loopback) and real host VMM memory (memfd pages behind a reservation).
+
+Two agents, "prefill" and "decode", live in this process; each has its own
+page table over its own reservation. The decode side reads blocks of the
+prefill side, as NixlConnector does.
+"""
+
+import time
+
+import pytest
+import torch
+
+from tests.v1.kv_vmm.utils import requires_nixl
+
+pytestmark = requires_nixl
+
+BLOCK_BYTES = 256 * 1024  # 8 blocks per 2 MiB page
+NUM_BLOCKS = 64  # 8 pages of virtual room
+
+
+def _side(
+    name: str,
+    block_bytes: int = BLOCK_BYTES,
+    num_blocks: int = NUM_BLOCKS,
+    granularity: int = 2 << 20,
+):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from vllm.v1.kv_vmm import (
+        HostVmmBackend,
+        KVPageGeometry,
+        KVPageTable,
+        KVTensorLayout,
+    )
+    from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
+
+    backend = HostVmmBackend(granularity)
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=block_bytes, num_regions=1)],
+        num_blocks=num_blocks,
+        granularity=backend.granularity,
+    )
+    table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    registry = NixlSegmentRegistry(agent, "DRAM", 0)
+    registry.attach(table)
+    return backend, table, agent, registry, SegmentedXferAgent(agent, registry)
+
+
+def _block_descs(table, block_bytes: int, num_blocks: int):
+    base = table.tensors[0].data_ptr()
+    return [(base + b * block_bytes, block_bytes, 0) for b in range(num_blocks)]
+
+
+def _block(table, block: int, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+    flat = table.tensors[0].view(torch.uint8)
+    return flat[block * block_bytes : (block + 1) * block_bytes]
+
+
+def _read(xfer, local, local_ids, remote, remote_ids) -> str:
+    handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids)
+    state = xfer.transfer(handle)
+    while state == "PROC":
+        state = xfer.check_xfer_state(handle)
+    xfer.release_xfer_handle(handle)
+    return state
+
+
+@pytest.fixture
+def pair():
+    sides = [_side("prefill"), _side("decode")]
+    yield sides
+    for backend, table, agent, registry, _ in reversed(sides):
+        table.close()
+        registry.close()
+        backend.close()
+
+
+def test_registrations_follow_segments(pair):
+    _, table, _, registry, _ = pair[0]
+    table.map_pages([0, 2])
+    chunks = sorted((c.va, c.nbytes) for s in table.segments() for c in s.chunks)
+    assert registry.registered_ranges == chunks and len(chunks) == 2
+    generation = registry.generation
+    table.unmap_pages([0])
+    assert registry.registered_ranges == chunks[1:]
+    assert registry.generation == generation + 1
+    table.map_pages([1])
+    assert len(registry.registered_ranges) == 2
+    assert registry.generation == generation + 2
+
+
+def test_reads_resolve_against_current_registrations(pair):
+    from nixl._api import nixlBind
+
+    _, p_table, p_agent, _, _ = pair[0]
+    _, d_table, d_agent, _, d_xfer = pair[1]
+    p_table.map_pages([0, 1])
+    d_table.map_pages([0])
+    for b in range(16):
+        _block(p_table, b).fill_(b + 1)
+    remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+    # Descriptors of every block, mapped or not: preparing them cannot fail.
+    local = d_xfer.prep_xfer_dlist(
+        "NIXL_INIT_AGENT",
+        d_xfer.get_xfer_descs(_block_descs(d_table, BLOCK_BYTES, NUM_BLOCKS), "DRAM"),
+    )
+    remote_descs = d_xfer.prep_xfer_dlist(
+        remote,
+        d_xfer.get_xfer_descs(_block_descs(p_table, BLOCK_BYTES, NUM_BLOCKS), "DRAM"),
+    )
+
+    assert _read(d_xfer, local, [1, 2], remote_descs, [3, 9]) == "DONE"
+    assert torch.all(_block(d_table, 1) == 4) and torch.all(_block(d_table, 2) == 10)
+
+    # A segment the prefill side mapped after the decode side took its metadata
+    # is unknown to the decode side: the read is refused, nothing is moved.
+    p_table.map_pages([2])
+    _block(p_table, 17).fill_(77)
+    with pytest.raises(nixlBind.nixlNotFoundError):
+        d_xfer.make_prepped_xfer("READ", local, [3], remote_descs, [17])
+    # Published again (fresh metadata), the same prepared descriptors work.
+    d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+    assert _read(d_xfer, local, [3], remote_descs, [17]) == "DONE"
+    assert torch.all(_block(d_table, 3) == 77)
+
+    # Into a block of an unmapped local page: refused, never written.
+    with pytest.raises(nixlBind.nixlNotFoundError):
+        d_xfer.make_prepped_xfer("READ", local, [8], remote_descs, [3])
+    d_table.map_pages([1])
+    assert _read(d_xfer, local, [8], remote_descs, [3]) == "DONE"
+    assert torch.all(_block(d_table, 8) == 4)
+    d_xfer.remove_remote_agent(remote)
+
+
+def test_unmap_waits_for_transfers_that_touch_the_segment(monkeypatch):
+    from vllm.v1.kv_vmm import VmmError
+
+    # Over shared memory UCX may finish a read inside transfer(); over TCP it
+    # is still in flight when transfer() returns.
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+
+    block = 64 << 20  # one block per page, large enough to stay in flight a while
+    sides = [_side(n, block_bytes=block, num_blocks=4) for n in ("prefill2", "decode2")]
+    try:
+        _, p_table, p_agent, _, _ = sides[0]
+        _, d_table, _, d_registry, d_xfer = sides[1]
+        p_table.map_pages([0])
+        d_table.map_pages([0, 1])
+        _block(p_table, 0, block).fill_(5)
+        remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+        local = d_xfer.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            d_xfer.get_xfer_descs(_block_descs(d_table, block, 4), "DRAM"),
+        )
+        remote_descs = d_xfer.prep_xfer_dlist(
+            remote, d_xfer.get_xfer_descs(_block_descs(p_table, block, 4), "DRAM")
+        )
+        handle = d_xfer.make_prepped_xfer("READ", local, [0], remote_descs, [0])
+        state = d_xfer.transfer(handle)
+        if state != "PROC":
+            pytest.skip(
+                f"the transfer finished before the unmap could race it ({state})"
+            )
+        d_registry.unmap_timeout_s = 0.0
+        with pytest.raises(VmmError, match="cannot be unmapped"):
+            d_table.unmap_pages([0])
+        assert d_table.is_mapped(0)
+        # Page 1 holds no block of the transfer: it unmaps at once.
+        d_table.unmap_pages([1])
+        d_registry.unmap_timeout_s = 60.0
+        start = time.monotonic()
+        while (
+            d_xfer.check_xfer_state(handle) == "PROC" and time.monotonic() - start < 60
+        ):
+            time.sleep(0.001)
+        assert torch.all(_block(d_table, 0, block) == 5)
+        d_xfer.release_xfer_handle(handle)
+        d_table.unmap_pages([0])
+        assert d_registry.registered_ranges == []
+        d_xfer.remove_remote_agent(remote)
+    finally:
+        for backend, table, _, registry, _ in reversed(sides):
+            table.close()
+            registry.close()
+            backend.close()

@@ -1,0 +1,272 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL registrations that follow a VMM-backed KV page table.
+
+A registration made once over the whole KV reservation is wrong for VMM
+memory twice over: unmapped address ranges cannot be registered (CUDA), and
+one registration spanning several physical allocations silently transfers
+wrong bytes on some UCX versions (cuda_ipc exports only the first one). So:
+
+- ``NixlSegmentRegistry`` registers every physical chunk of a segment with
+  the NIXL agent when the segment is mapped and deregisters it before the
+  segment is unmapped. An unmap waits for the transfers that touch the
+  segment; if they do not finish in time it raises, and the page table then
+  keeps everything mapped.
+- ``SegmentedXferAgent`` wraps the NIXL agent for a connector written
+  against prepared descriptor lists. NIXL checks a prepared list against the
+  registrations when it is prepared, which would fail for blocks on pages
+  not mapped yet (and would go stale when pages are remapped); the wrapper
+  keeps the descriptors and resolves the ones a transfer uses when the
+  transfer is created (``initialize_xfer``), against the registrations of
+  that moment.
+"""
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from vllm.v1.kv_vmm.backend import VmmError
+from vllm.v1.kv_vmm.page_table import KVPageTable, Segment
+
+# check_xfer_state() of a transfer still moving data.
+_IN_FLIGHT = "PROC"
+
+
+class NixlSegmentRegistry:
+    """Registers the mapped segments of one page table with one NIXL agent.
+
+    Args:
+        agent: the ``nixl_agent``.
+        mem_type: NIXL memory type of the KV memory ("DRAM" or "VRAM").
+        device_id: device id of the registrations (0 for host memory).
+        backends: NIXL backends to register with (all when empty).
+        unmap_timeout_s: how long an unmap waits for transfers that touch
+            the segment.
+
+    """
+
+    def __init__(
+        self,
+        agent: Any,
+        mem_type: str,
+        device_id: int,
+        backends: list[str] | None = None,
+        unmap_timeout_s: float = 30.0,
+    ) -> None:
+        self.agent = agent
+        self.mem_type = mem_type
+        self.device_id = device_id
+        self.backends = list(backends or [])
+        self.unmap_timeout_s = unmap_timeout_s
+        # Bumped on every registration change; peers holding our agent
+        # metadata of an older generation may miss segments.
+        self.generation = 0
+        self._lock = threading.Lock()
+        self._registrations: dict[tuple[int, int], Any] = {}
+        self._ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        # Transfer handle -> (starts, ends) of the local byte ranges it uses.
+        self._in_flight: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+        self._tables: list[KVPageTable] = []
+
+    def attach(self, table: KVPageTable) -> None:
+        """Register what ``table`` has mapped and follow its later changes.
+
+        Callbacks already installed on the table keep running (first).
+        """
+        previous_mapped = table.on_segment_mapped
+        previous_unmapped = table.before_segment_unmapped
+        key = len(self._tables)
+        self._tables.append(table)
+
+        def on_mapped(segment: Segment) -> None:
+            if previous_mapped is not None:
+                previous_mapped(segment)
+            self._register(key, segment)
+
+        def before_unmapped(segment: Segment) -> None:
+            if previous_unmapped is not None:
+                previous_unmapped(segment)
+            self._deregister(key, segment)
+
+        for segment in table.segments():
+            self._register(key, segment)
+        table.on_segment_mapped = on_mapped
+        table.before_segment_unmapped = before_unmapped
+
+    @property
+    def registered_ranges(self) -> list[tuple[int, int]]:
+        """(address, nbytes) of every registration, in address order."""
+        with self._lock:
+            return sorted(r for ranges in self._ranges.values() for r in ranges)
+
+    def _register(self, table_key: int, segment: Segment) -> None:
+        ranges = [(c.va, c.nbytes) for c in segment.chunks]
+        # One registration per chunk: a chunk is exactly one physical
+        # allocation, so none spans two of them.
+        descs = self.agent.get_reg_descs(
+            [(va, nbytes, self.device_id, "") for va, nbytes in ranges],
+            self.mem_type,
+        )
+        self.agent.register_memory(descs, backends=self.backends)
+        with self._lock:
+            self._registrations[(table_key, segment.segment_id)] = descs
+            self._ranges[(table_key, segment.segment_id)] = ranges
+            self.generation += 1
+
+    def _deregister(self, table_key: int, segment: Segment) -> None:
+        key = (table_key, segment.segment_id)
+        with self._lock:
+            ranges = self._ranges.get(key)
+        if ranges is None:
+            return
+        self._wait_for_transfers(ranges, segment.segment_id)
+        with self._lock:
+            descs = self._registrations.pop(key)
+            del self._ranges[key]
+            self.generation += 1
+        self.agent.deregister_memory(descs, backends=self.backends)
+
+    # -- transfers --------------------------------------------------------
+    def track(self, handle: Any, local_descs: np.ndarray) -> None:
+        """Remember the local bytes (``(addr, len, dev)`` rows) of a transfer
+        until it is released."""
+        starts = local_descs[:, 0].astype(np.uint64)
+        ends = starts + local_descs[:, 1].astype(np.uint64)
+        with self._lock:
+            self._in_flight[handle] = (starts, ends)
+
+    def untrack(self, handle: Any) -> None:
+        with self._lock:
+            self._in_flight.pop(handle, None)
+
+    def _touching(self, ranges: list[tuple[int, int]]) -> list[Any]:
+        with self._lock:
+            items = list(self._in_flight.items())
+        hits = []
+        for handle, (starts, ends) in items:
+            for va, nbytes in ranges:
+                if np.any((starts < va + nbytes) & (ends > va)):
+                    hits.append(handle)
+                    break
+        return hits
+
+    def _wait_for_transfers(
+        self, ranges: list[tuple[int, int]], segment_id: int
+    ) -> None:
+        deadline = time.monotonic() + self.unmap_timeout_s
+        while True:
+            busy = [
+                h
+                for h in self._touching(ranges)
+                if self.agent.check_xfer_state(h) == _IN_FLIGHT
+            ]
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise VmmError(
+                    f"KV segment {segment_id} cannot be unmapped: {len(busy)} NIXL "
+                    f"transfer(s) still use it after {self.unmap_timeout_s:.0f} s. "
+                    "Its pages stay mapped; retry the unmap once the transfers "
+                    "have finished."
+                )
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Deregister everything (the tables stay mapped)."""
+        with self._lock:
+            registrations = list(self._registrations.values())
+            self._registrations.clear()
+            self._ranges.clear()
+        for descs in registrations:
+            self.agent.deregister_memory(descs, backends=self.backends)
+
+
+class _Descs:
+    """Transfer descriptors kept as ``(addr, len, dev)`` rows."""
+
+    __slots__ = ("rows", "mem_type")
+
+    def __init__(self, rows: np.ndarray, mem_type: str | None) -> None:
+        self.rows = rows
+        self.mem_type = mem_type
+
+
+class _PreparedDescs:
+    """What ``prep_xfer_dlist`` returns: descriptors of one agent, resolved
+    at transfer time."""
+
+    __slots__ = ("agent_name", "descs")
+
+    def __init__(self, agent_name: str, descs: _Descs) -> None:
+        self.agent_name = agent_name
+        self.descs = descs
+
+
+class SegmentedXferAgent:
+    """A ``nixl_agent`` whose descriptor lists are resolved per transfer.
+
+    Everything not overridden goes to the wrapped agent.
+    """
+
+    # prep_xfer_dlist's name for the local agent.
+    LOCAL = "NIXL_INIT_AGENT"
+
+    def __init__(self, agent: Any, registry: NixlSegmentRegistry) -> None:
+        self._agent = agent
+        self.registry = registry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> _Descs:
+        rows = np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
+        return _Descs(rows, mem_type)
+
+    def prep_xfer_dlist(
+        self,
+        agent_name: str,
+        xfer_list: _Descs,
+        mem_type: str | None = None,
+        backends: list[str] | None = None,
+    ) -> _PreparedDescs:
+        if not isinstance(xfer_list, _Descs):
+            xfer_list = self.get_xfer_descs(xfer_list, mem_type)
+        elif mem_type is not None:
+            xfer_list = _Descs(xfer_list.rows, mem_type)
+        return _PreparedDescs(agent_name, xfer_list)
+
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: _PreparedDescs,
+        local_indices: Any,
+        remote_xfer_side: _PreparedDescs,
+        remote_indices: Any,
+        notif_msg: bytes = b"",
+        backends: list[str] | None = None,
+        skip_desc_merge: bool = False,
+    ) -> Any:
+        local = local_xfer_side.descs
+        remote = remote_xfer_side.descs
+        local_rows = local.rows[np.asarray(local_indices, dtype=np.int64)]
+        remote_rows = remote.rows[np.asarray(remote_indices, dtype=np.int64)]
+        handle = self._agent.initialize_xfer(
+            operation,
+            self._agent.get_xfer_descs(local_rows, local.mem_type),
+            self._agent.get_xfer_descs(remote_rows, remote.mem_type),
+            remote_xfer_side.agent_name,
+            notif_msg,
+            backends or [],
+        )
+        self.registry.track(handle, local_rows)
+        return handle
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        self.registry.untrack(handle)
+        self._agent.release_xfer_handle(handle)
+
+    def release_dlist_handle(self, handle: Any) -> None:
+        if not isinstance(handle, _PreparedDescs):
+            self._agent.release_dlist_handle(handle)
