@@ -122,14 +122,25 @@ def test_reads_resolve_against_current_registrations(pair):
     _block(p_table, 17).fill_(77)
     with pytest.raises(nixlBind.nixlNotFoundError):
         d_xfer.make_prepped_xfer("READ", local, [3], remote_descs, [17])
-    # Published again (fresh metadata), the same prepared descriptors work.
-    d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+    # With a way to fetch the peer's current metadata, the read refreshes it
+    # once and goes through with the same prepared descriptors.
+    refreshed = []
+
+    def refresh(agent_name: str) -> bool:
+        refreshed.append(agent_name)
+        d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+        return True
+
+    d_xfer.refresh_remote = refresh
     assert _read(d_xfer, local, [3], remote_descs, [17]) == "DONE"
+    assert refreshed == [remote]
     assert torch.all(_block(d_table, 3) == 77)
 
-    # Into a block of an unmapped local page: refused, never written.
+    # Into a block of an unmapped local page: refused (a refresh of the peer
+    # cannot help), never written.
     with pytest.raises(nixlBind.nixlNotFoundError):
         d_xfer.make_prepped_xfer("READ", local, [8], remote_descs, [3])
+    assert refreshed == [remote, remote]
     d_table.map_pages([1])
     assert _read(d_xfer, local, [8], remote_descs, [3]) == "DONE"
     assert torch.all(_block(d_table, 8) == 4)

@@ -23,6 +23,7 @@ wrong bytes on some UCX versions (cuda_ipc exports only the first one). So:
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -213,9 +214,16 @@ class SegmentedXferAgent:
     # prep_xfer_dlist's name for the local agent.
     LOCAL = "NIXL_INIT_AGENT"
 
-    def __init__(self, agent: Any, registry: NixlSegmentRegistry) -> None:
+    def __init__(
+        self,
+        agent: Any,
+        registry: NixlSegmentRegistry,
+        refresh_remote: Callable[[str], bool] | None = None,
+    ) -> None:
         self._agent = agent
         self.registry = registry
+        # Fetches a peer's current agent metadata; True if it was updated.
+        self.refresh_remote = refresh_remote
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
@@ -252,7 +260,7 @@ class SegmentedXferAgent:
         remote = remote_xfer_side.descs
         local_rows = local.rows[np.asarray(local_indices, dtype=np.int64)]
         remote_rows = remote.rows[np.asarray(remote_indices, dtype=np.int64)]
-        handle = self._agent.initialize_xfer(
+        args = (
             operation,
             self._agent.get_xfer_descs(local_rows, local.mem_type),
             self._agent.get_xfer_descs(remote_rows, remote.mem_type),
@@ -260,6 +268,19 @@ class SegmentedXferAgent:
             notif_msg,
             backends or [],
         )
+        try:
+            handle = self._agent.initialize_xfer(*args)
+        except Exception as e:
+            # The peer may have mapped (and registered) the segment after we
+            # took its metadata: fetch it again, once. Local memory that is
+            # not registered fails the same way again.
+            if not (
+                type(e).__name__ == "nixlNotFoundError"
+                and self.refresh_remote is not None
+                and self.refresh_remote(remote_xfer_side.agent_name)
+            ):
+                raise
+            handle = self._agent.initialize_xfer(*args)
         self.registry.track(handle, local_rows)
         return handle
 
