@@ -4,13 +4,13 @@
 
 Roles:
 - ``single``: generates every prompt alone (the reference).
-- ``prefill``: generates each prompt with max_tokens=1 and
+- ``prefill``: per wave of prompts, generates each with max_tokens=1 and
   ``kv_transfer_params={"do_remote_decode": True}``, writes the returned
-  transfer params to ``<dir>/params.json`` and keeps its KV blocks (and NIXL
-  agent) alive until ``<dir>/decode.done`` appears.
-- ``decode``: waits for ``params.json``, generates each prompt with the
-  prefill's params (NIXL reads the prompt's KV from the prefill instance over
-  UCX), then writes ``decode.done``.
+  transfer params to ``<dir>/params<wave>.json`` and waits (KV blocks held)
+  until ``<dir>/decode<wave>.done`` appears.
+- ``decode``: per wave, waits for ``params<wave>.json``, generates each prompt
+  with the prefill's params (NIXL reads the prompt's KV from the prefill
+  instance over UCX), then writes ``decode<wave>.done``.
 
 Every role writes ``<dir>/<role>.json``: token ids per prompt, plus the
 worker's KV page stats when the KV memory backend is ``vmm``.
@@ -49,6 +49,13 @@ def _nixl_metrics(llm) -> dict[str, float]:
         elif hasattr(m, "value"):
             out[m.name] = out.get(m.name, 0) + m.value
     return out
+
+
+def _waves(n: int) -> list[tuple[int, int]]:
+    """Prompts go in two waves: the second is prefilled after the decode instance
+    read the first (so after the handshake) and needs more KV pages on both."""
+    half = max(1, n // 2)
+    return [(0, half), (half, n)] if n > 1 else [(0, n)]
 
 
 def _wait_for(path: Path, timeout: float) -> None:
@@ -105,45 +112,41 @@ def main() -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         elif args.role == "prefill":
-            params = [
-                SamplingParams(temperature=0.0, max_tokens=1, detokenize=False,
-                               extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-                for _ in prompts
-            ]
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
-            transfer = [o.kv_transfer_params for o in outs]
-            tmp = args.dir / "params.json.tmp"
-            tmp.write_text(json.dumps(transfer))
-            tmp.rename(args.dir / "params.json")
-            # The decode instance reads our blocks; they stay allocated until it
-            # reports each read done (or the lease expires).
-            _wait_for(args.dir / "decode.done", timeout=600)
-            out["stats"].append(llm.collective_rpc(_worker_stats))
-        else:
-            _wait_for(args.dir / "params.json", timeout=600)
-            transfer = json.loads((args.dir / "params.json").read_text())
-            # Requests arrive in two waves: the second starts after the first
-            # finished, so a VMM decode instance maps pages while running.
             out["token_ids"] = []
-            half = max(1, len(prompts) // 2)
-            for lo, hi in ((0, half), (half, len(prompts))):
-                if lo >= hi:
-                    continue
+            for wave, (lo, hi) in enumerate(_waves(len(prompts))):
                 params = [
-                    SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                   detokenize=False,
-                                   extra_args={"kv_transfer_params": transfer[i]})
-                    for i in range(lo, hi)
+                    SamplingParams(
+                        temperature=0.0, max_tokens=1, detokenize=False,
+                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                    for _ in range(lo, hi)
                 ]
                 outs = llm.generate(
                     [{"prompt_token_ids": p} for p in prompts[lo:hi]], params)
                 out["token_ids"] += [list(o.outputs[0].token_ids) for o in outs]
-                out.setdefault("cached_tokens", []).extend(
-                    o.num_cached_tokens for o in outs)
+                out["stats"].append(llm.collective_rpc(_worker_stats))
+                tmp = args.dir / f"params{wave}.json.tmp"
+                tmp.write_text(json.dumps([o.kv_transfer_params for o in outs]))
+                tmp.rename(args.dir / f"params{wave}.json")
+                # The decode instance reads our blocks; they stay allocated until
+                # it reports each read done (or the lease expires).
+                _wait_for(args.dir / f"decode{wave}.done", timeout=600)
+        else:
+            out["token_ids"] = []
+            for wave, (lo, hi) in enumerate(_waves(len(prompts))):
+                _wait_for(args.dir / f"params{wave}.json", timeout=600)
+                transfer = json.loads((args.dir / f"params{wave}.json").read_text())
+                params = [
+                    SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                   detokenize=False,
+                                   extra_args={"kv_transfer_params": t})
+                    for t in transfer
+                ]
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts[lo:hi]], params)
+                out["token_ids"] += [list(o.outputs[0].token_ids) for o in outs]
                 out["stats"].append(llm.collective_rpc(_worker_stats))
                 out.setdefault("nixl", []).append(_nixl_metrics(llm))
-            (args.dir / "decode.done").write_text("")
+                (args.dir / f"decode{wave}.done").write_text("")
         (args.dir / f"{args.role}.json").write_text(json.dumps(out))
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,9 +42,10 @@ def _free_port() -> int:
 
 
 def _prompts() -> list[list[int]]:
-    """A short prompt, two mid-sized ones and one of 3000 tokens: 24 blocks of 128 tokens,
-    more than one VMM page (16 blocks) holds."""
-    lengths = [37, 300, 700, 3000]
+    """A short prompt, two mid-sized ones and one of 3500 tokens: 28 blocks of 128 tokens,
+    more than one VMM page (16 blocks) holds. The second wave (700 + 3500 tokens, 34
+    blocks) needs more than the 31 usable blocks of the two pages mapped at startup."""
+    lengths = [37, 300, 700, 3500]
     return [[(7 * i + 13 * j) % 4000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
 
 
@@ -67,7 +69,9 @@ def _start(role: str, model: Path, workdir: Path, backend: str, port: int | None
         [sys.executable, str(NODE), "--role", role, "--model", str(model),
          "--dir", str(workdir), "--backend", backend, "--max-tokens", str(MAX_TOKENS),
          "--extra", json.dumps(extra or {})],
-        env=_env(port), stdout=log, stderr=subprocess.STDOUT)
+        env=_env(port), stdout=log, stderr=subprocess.STDOUT,
+        # Its own process group: a failed run takes the engine core and worker along.
+        start_new_session=True)
 
 
 def _finish(procs: list[subprocess.Popen], workdir: Path) -> None:
@@ -79,6 +83,10 @@ def _finish(procs: list[subprocess.Popen], workdir: Path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for p in procs:
         if p.returncode != 0:
             role = p.args[p.args.index("--role") + 1]
@@ -134,3 +142,17 @@ def test_disaggregated_stock_kv_matches_single_instance(pd_model, reference, tmp
     prefill, decode = run_disaggregated(pd_model, tmp_path, "default")
     _check(reference, prefill, decode)
 
+
+def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_path):
+    """VMM-backed KV on both instances. Each starts with the null block's page and one
+    headroom page mapped. The second wave (prefilled after the decode instance's handshake)
+    needs more: the prefill instance maps new segments whose registrations the decode
+    instance has not seen, and the decode instance maps new segments while it runs; both
+    give pages back when idle."""
+    prefill, decode = run_disaggregated(pd_model, tmp_path, "vmm")
+    _check(reference, prefill, decode)
+    for side in (prefill, decode):
+        start, after_first, after_second = [s[0] for s in side["stats"]]
+        assert after_first["kv_pages_mapped_total"] == start["kv_pages_mapped_total"]
+        assert after_second["kv_pages_mapped_total"] > after_first["kv_pages_mapped_total"]
+        assert after_second["kv_mapped_bytes_peak"] >= 3 * start["page_bytes"]
