@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NIXL READ throughput out of and into KV memory: stock vs VMM-backed.
+
+Two processes (a reader and an owner), each with one NIXL agent (UCX). Each
+iteration the reader READs ``--blocks-per-read`` random blocks of the owner's
+KV memory into random blocks of its own, the way NixlConnector reads a
+prompt's KV (one descriptor per block).
+
+* ``stock``: one ``torch.empty`` allocation per side, registered once, and
+  descriptor lists prepared once (``prep_xfer_dlist`` + ``make_prepped_xfer``),
+  as NixlConnector does for stock KV tensors.
+* ``vmm``: a KVPageTable over VMM memory (``cuMemCreate`` segments on CUDA,
+  memfd pages on the host), every segment mapped, registered per physical
+  chunk (NixlSegmentRegistry) and transfers created per read with
+  SegmentedXferAgent, as the patched NixlConnector does for VMM-backed KV.
+
+Prints GB/s per mode (median over ``--iters`` reads after ``--warmup``) and
+the vmm/stock ratio; ``--json`` writes them. On a GPU host with two GPUs
+(owner on cuda:1, reader on cuda:0; UCX picks cuda_ipc)::
+
+    python scripts/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
+
+On the host (DRAM over UCX loopback)::
+
+    UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo python scripts/bench_nixl_vmm.py --kind host
+
+Run with the patched vLLM tree on PYTHONPATH, or where vLLM is not installed
+(it then imports the package from ``vllm_overlay/``).
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import vllm.v1.kv_vmm.nixl_segments  # noqa: F401
+except ModuleNotFoundError:
+    if "vllm" in sys.modules:
+        raise SystemExit(
+            "the installed vLLM has no vllm.v1.kv_vmm.nixl_segments: put the "
+            "patched tree on PYTHONPATH, or run where vLLM is not installed"
+        ) from None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_overlay"))
+
+
+def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
+    """(base address, NIXL memory type, device id, wrapped agent, closer)."""
+    import torch
+
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+        mem_type, dev_id = "VRAM", device
+    else:
+        mem_type, dev_id = "DRAM", 0
+    if mode == "stock":
+        buf = torch.empty(nbytes, dtype=torch.uint8,
+                          device=f"cuda:{device}" if kind == "cuda" else "cpu")
+        descs = agent.get_reg_descs([(buf.data_ptr(), nbytes, dev_id, "")], mem_type)
+        agent.register_memory(descs)
+
+        def close_stock() -> None:
+            agent.deregister_memory(descs)
+            del buf_ref[:]  # the allocation lives until its registration is gone
+
+        buf_ref = [buf]
+        return buf.data_ptr(), mem_type, dev_id, agent, close_stock
+
+    from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
+    from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
+
+    if kind == "cuda":
+        from vllm.v1.kv_vmm.cuda import CudaVmmBackend
+
+        backend: Any = CudaVmmBackend(device)
+    else:
+        backend = HostVmmBackend()
+    geometry = KVPageGeometry([KVTensorLayout(block_bytes=nbytes, num_regions=1)],
+                              num_blocks=1, granularity=backend.granularity)
+    table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
+    registry = NixlSegmentRegistry(agent, mem_type, dev_id)
+    registry.attach(table)
+    table.map_pages(range(geometry.num_pages))
+
+    def close() -> None:
+        table.close()
+        registry.close()
+        backend.close()
+
+    return (table.tensors[0].data_ptr(), mem_type, dev_id,
+            SegmentedXferAgent(agent, registry), close)
+
+
+def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    nbytes = args.block_bytes * args.num_blocks
+    agent = nixl_agent(f"{role}-{mode}", nixl_agent_config(backends=["UCX"]))
+    device = 1 if role == "owner" else 0
+    base, mem_type, dev_id, xfer, close = _memory(mode, args.kind, device, nbytes, agent)
+    blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
+                       for b in range(args.num_blocks)], dtype=np.uint64)
+    conn.send((agent.get_agent_metadata(), blocks))
+    peer_meta, peer_blocks = conn.recv()
+    if role == "owner":
+        assert conn.recv() == "done"
+        conn.send(None)
+        close()
+        return
+    peer = xfer.add_remote_agent(peer_meta)
+    local = xfer.prep_xfer_dlist("NIXL_INIT_AGENT", xfer.get_xfer_descs(blocks, mem_type))
+    remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
+    rng = np.random.default_rng(0)
+    seconds = []
+    for i in range(args.warmup + args.iters):
+        local_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
+        remote_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
+        start = time.perf_counter()
+        handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids)
+        state = xfer.transfer(handle)
+        while state == "PROC":
+            state = xfer.check_xfer_state(handle)
+        took = time.perf_counter() - start
+        assert state == "DONE", f"read ended in state {state}"
+        xfer.release_xfer_handle(handle)
+        if i >= args.warmup:
+            seconds.append(took)
+    xfer.remove_remote_agent(peer)
+    conn.send("done")
+    conn.recv()
+    close()
+    gbps = args.blocks_per_read * args.block_bytes / statistics.median(seconds) / 1e9
+    conn.send({"gb_per_s": gbps, "median_ms": statistics.median(seconds) * 1e3,
+               "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3})
+
+
+def _run(mode: str, args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    reader_end, owner_end = ctx.Pipe()
+    procs = [ctx.Process(target=_side, args=("owner", args, mode, owner_end)),
+             ctx.Process(target=_side, args=("reader", args, mode, reader_end))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    for p in procs:
+        if p.exitcode != 0:
+            raise SystemExit(f"{mode}: a side exited with {p.exitcode}")
+    # The reader's last message (its result) arrives after the owner has exited.
+    return owner_end.recv()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kind", choices=("cuda", "host"), default="cuda")
+    parser.add_argument("--block-bytes", type=int, default=256 * 1024,
+                        help="bytes per KV block descriptor (default 256 KiB)")
+    parser.add_argument("--num-blocks", type=int, default=2048)
+    parser.add_argument("--blocks-per-read", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.kind == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--kind cuda needs two GPUs (owner cuda:1, reader cuda:0)")
+    results = {mode: _run(mode, args) for mode in ("stock", "vmm")}
+    results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
+    results["config"] = vars(args) | {"json": str(args.json) if args.json else None}
+    for mode in ("stock", "vmm"):
+        r = results[mode]
+        print(f"{mode:5s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
+              f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read)")
+    print(f"vmm/stock: {results['vmm_over_stock']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
