@@ -54,6 +54,8 @@ SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 sys.path.insert(0, str(SCRIPTS))
 
+from bench_report import merge_item, render_results  # noqa: E402
+
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup"]
 GPU_MODELS = ["Qwen3-8B", "Llama-3.1-8B-Instruct"]
 PD_SCRIPT = SCRIPTS / "bench_pd.py"
@@ -647,7 +649,10 @@ def main() -> None:
     results: dict = {"items": previous.get("items", {})}
 
     def record(name: str, value: dict) -> None:
-        results["items"][name] = {**value, "run": info}
+        for m in value.get("models", {}).values():
+            m.setdefault("run", info)
+        results["items"][name] = merge_item(results["items"].get(name, {}),
+                                            {**value, "run": info})
         results["host"] = info
         results_path.write_text(json.dumps(results, indent=1))
 
@@ -672,7 +677,6 @@ def main() -> None:
         record("tp2-startup", item_tp2_startup(runner, prof, out, device, probe["gpus"],
                                                args.serve_tp, budget))
 
-    from bench_report import render_results
 
     md = render_results(results)
     (out / "results.md").write_text(md)

@@ -6,9 +6,11 @@
   python scripts/bench_report.py build/bench/results.json            # print the tables
   python scripts/bench_report.py build/bench/results.json --doc docs/BENCHMARKS.md
 
-With --doc, the results (results.json and the timeline PNG) are copied to docs/bench/e2e/
-and the section between the markers below in the doc is replaced by the tables, so the doc
-is written from measured data only. The rest of the doc (e.g. the page-map sections) stays.
+Several results.json files (e.g. from a one-GPU and a two-GPU host) are merged, later ones
+winning per item (per model for items 1 and 2). With --doc, the merged results.json and the
+timeline PNG are written to docs/bench/e2e/ and the section between the markers below in
+the doc is replaced by the tables, so the doc is written from measured data only. The rest
+of the doc (e.g. the page-map sections) stays.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ TITLES = {
     "elasticity": "3. Memory elasticity (mapped KV after a burst)",
     "pagemap": "4. Page map cost (us per page)",
     "pd": "5. P/D over NIXL",
-    "tp2-startup": "6. TP=2 server start to /health 200 (s)",
+    "tp2-startup": "6. Server start, tensor parallel, to /health 200 (s)",
 }
 TARGETS = {"throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
            "pd-transfer": (">=", 0.9), "tp2-startup": ("<=", 1.1)}
@@ -57,10 +59,10 @@ def _verdict(key: str, value: float, run: dict | None = None) -> tuple[str, str]
 def _runs(items: dict) -> list[dict]:
     runs: list[dict] = []
     for item in items.values():
-        run = item.get("run", {})
-        if run and run not in runs:
-            runs.append(run)
-    return runs
+        for run in [item.get("run")] + [m.get("run") for m in item.get("models", {}).values()]:
+            if run and run not in runs:
+                runs.append(run)
+    return sorted(runs, key=lambda r: (r.get("date", ""), r.get("command", "")))
 
 
 def render_results(results: dict, png_prefix: str = "") -> str:
@@ -70,8 +72,8 @@ def render_results(results: dict, png_prefix: str = "") -> str:
              "| run |", "|---|---|---|---|---|---|---|---|"]
 
     def row(item: str, what: str, a: str, b: str, ratio: str, target: str = "",
-            verdict: str = "") -> None:
-        run = items[item].get("run")
+            verdict: str = "", run: dict | None = None) -> None:
+        run = run or items[item].get("run")
         ref = str(runs.index(run) + 1) if run in runs else ""
         lines.append(f"| {TITLES[item].split('.')[0]} | {what} | {a} | {b} | {ratio} | {target} "
                      f"| {verdict} | {ref} |")
@@ -88,15 +90,17 @@ def render_results(results: dict, png_prefix: str = "") -> str:
             continue
         if item in ("throughput", "startup"):
             for model, m in data["models"].items():
+                run = m.get("run") or data.get("run")
                 if "not_measured" in m:
-                    row(item, f"{name}, {model}", "", "", f"not measured: {m['not_measured']}")
+                    row(item, f"{name}, {model}", "", "", f"not measured: {m['not_measured']}",
+                        run=run)
                     continue
                 for wl, s in m.items():
                     if not isinstance(s, dict) or "ratio" not in s:
                         continue
                     what = (f"{name}, {model}, {wl} ({s['num']} x {s['input']} in / "
                             f"{s['output']} out)" if item == "throughput" else f"{name}, {model}")
-                    row(item, what, *_ab(s), *_verdict(item, s["ratio"], data.get("run")))
+                    row(item, what, *_ab(s), *_verdict(item, s["ratio"], run), run=run)
                 if m.get("note"):
                     details.append(f"- {title}, {model}: {m['note']}.")
         elif item == "elasticity":
@@ -164,21 +168,41 @@ def render_doc_section(results: dict, rel: str, pending: bool = False) -> str:
     ]) + "\n"
 
 
-def update_doc(doc: Path, results_path: Path | None, dest: Path, pending: str = "") -> None:
-    if results_path is None:
+def merge_item(old: dict, new: dict) -> dict:
+    """A later run of an item replaces it; per-model items keep the models it did not run."""
+    if "models" in new and "models" in old:
+        return {**new, "models": {**old["models"], **new["models"]}}
+    return new
+
+
+def merge_results(paths: list[Path]) -> tuple[dict, dict[str, Path]]:
+    """Results of several runs (e.g. a one-GPU and a two-GPU host), later files winning;
+    and, per item, the directory its files (the timeline PNG) are in."""
+    merged: dict = {"items": {}}
+    dirs: dict[str, Path] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for name, item in data.get("items", {}).items():
+            merged["items"][name] = merge_item(merged["items"].get(name, {}), item)
+            dirs[name] = path.parent
+        merged["host"] = data.get("host")
+    return merged, dirs
+
+
+def update_doc(doc: Path, paths: list[Path], dest: Path, pending: str = "") -> None:
+    if not paths:
         results = {"items": {item: {"not_measured": pending} for item in TITLES}}
         results["items"]["pagemap"]["not_measured"] += (
             " (the sections above hold scripts/bench_vmm.py runs)")
     else:
-        results = json.loads(results_path.read_text())
+        results, dirs = merge_results(paths)
         dest.mkdir(parents=True, exist_ok=True)
-        if results_path.resolve() != (dest / "results.json").resolve():
-            shutil.copy(results_path, dest / "results.json")
-        png = results.get("items", {}).get("elasticity", {}).get("png")
-        if png and (results_path.parent / png).exists():
-            shutil.copy(results_path.parent / png, dest / png)
+        (dest / "results.json").write_text(json.dumps(results, indent=1))
+        png = results["items"].get("elasticity", {}).get("png")
+        if png and (dirs["elasticity"] / png).resolve() != (dest / png).resolve():
+            shutil.copy(dirs["elasticity"] / png, dest / png)
     rel = dest.resolve().relative_to(doc.resolve().parent.parent).as_posix()
-    section = render_doc_section(results, rel, pending=results_path is None)
+    section = render_doc_section(results, rel, pending=not paths)
     text = doc.read_text()
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
@@ -190,21 +214,22 @@ def update_doc(doc: Path, results_path: Path | None, dest: Path, pending: str = 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", type=Path, nargs="?")
+    p.add_argument("results", type=Path, nargs="*",
+                   help="results.json files; several are merged, later ones winning")
     p.add_argument("--pending", metavar="REASON",
                    help="no results yet: write the section with every item not measured")
     p.add_argument("--doc", type=Path, help="replace the generated section of this file")
     p.add_argument("--dest", type=Path, help="where results are kept for the doc "
                    "(default: <doc dir>/bench/e2e)")
     args = p.parse_args()
-    if (args.results is None) == (args.pending is None):
-        p.error("give a results.json or --pending REASON")
+    if bool(args.results) == bool(args.pending):
+        p.error("give results.json file(s) or --pending REASON")
     if args.doc:
         update_doc(args.doc, args.results, args.dest or args.doc.parent / "bench" / "e2e",
                    args.pending or "")
         print(f"updated {args.doc}")
     elif args.results:
-        print(render_results(json.loads(args.results.read_text())))
+        print(render_results(merge_results(args.results)[0]))
     else:
         p.error("--pending needs --doc")
 
