@@ -637,8 +637,8 @@ def main() -> None:
                                                                    ROOT / "build" / "bench")))
     p.add_argument("--repeats", type=int, help="A/B pairs per measurement")
     p.add_argument("--models", help="comma-separated model config names (KVSERIES_MODELS)")
-    p.add_argument("--budget-s", type=float, default=540,
-                   help="stop adding repetitions past this many seconds (default 540)")
+    p.add_argument("--budget-s", type=float, default=480,
+                   help="stop adding repetitions past this many seconds (default 480)")
     p.add_argument("--serve-tp", type=int, default=2,
                    help="tensor-parallel size of the server start item (default 2)")
     args = p.parse_args()
