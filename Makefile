@@ -7,7 +7,7 @@ S := $(PYTHON) scripts
 
 .PHONY: help setup apply install smoke refresh export rebase check-series overlay-install \
         overlay-uninstall test test-harness test-release test-gpu test-installed upstream-test \
-        upstream-baseline hf-cache clean-tree clean
+        upstream-baseline hf-cache bench bench-doc clean-tree clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t22
@@ -61,6 +61,13 @@ upstream-test:  ## vLLM's own curated tests, offline: patched tree vs the stock 
 
 upstream-baseline:  ## run the curated upstream tests on stock vX, write ci/upstream/vX.txt
 	$(S)/upstream_test.py --write-baseline
+
+BENCH_OUT ?= build/bench
+bench:  ## benchmark suite, VMM KV vs stock side by side, into $(BENCH_OUT) (BENCH_ARGS="--quick ...")
+	$(PYTHON) scripts/bench.py --out "$(BENCH_OUT)" $(BENCH_ARGS)
+
+bench-doc:  ## write $(BENCH_OUT)/results.json into docs/BENCHMARKS.md (and docs/bench/e2e/)
+	$(PYTHON) scripts/bench_report.py "$(BENCH_OUT)/results.json" --doc docs/BENCHMARKS.md
 
 hf-cache:  ## build/hf-cache: offline hub cache of the public model configs in ci/hf-models
 	$(S)/hf_cache.py

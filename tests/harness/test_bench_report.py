@@ -1,0 +1,102 @@
+"""The benchmark suite's report side without vLLM: A/B summary, merging runs, the doc section
+generator and the standard-library PNG writer (tests/engine/test_bench_suite.py runs the
+suite itself on a real engine)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+RUN1 = {"date": "d1", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
+        "command": "python3 scripts/bench.py", "gpu": "NVIDIA H100", "driver": "1.0",
+        "device": "cuda"}
+RUN2 = {**RUN1, "date": "d2", "command": "python3 scripts/bench.py --items 5,6"}
+
+
+def _ab(a: list[float], b: list[float]) -> dict:
+    from bench import summarize
+
+    return summarize(a, b)
+
+
+def test_ab_order_interleaves_and_summary_pairs_ratios():
+    from bench import ab_order
+
+    assert ab_order(3) == ["default", "vmm", "vmm", "default", "default", "vmm"]
+    s = _ab([10.0, 20.0, 30.0], [11.0, 18.0, 30.0])
+    assert s["a_median"] == 20.0 and s["b_median"] == 18.0
+    assert s["ratio"] == pytest.approx(0.9)
+    assert (s["ratio_min"], s["ratio_max"]) == pytest.approx((0.9, 1.1))
+    assert s["n"] == 3
+
+
+def test_merge_keeps_models_and_items_of_other_runs(tmp_path: Path):
+    from bench_report import merge_results, render_results
+
+    one = {"items": {
+        "throughput": {"run": RUN1, "models": {"Qwen3-8B": {
+            "run": RUN1, "decode": {**_ab([100.0], [98.0]), "num": 1, "input": 2, "output": 3}}}},
+        "tp2-startup": {"run": RUN1, "not_measured": "needs 2 GPUs, this host has 1"}}}
+    two = {"items": {
+        "throughput": {"run": RUN2, "models": {"Llama-3.1-8B-Instruct": {
+            "run": RUN2, "decode": {**_ab([50.0], [50.0]), "num": 1, "input": 2, "output": 3}}}},
+        "tp2-startup": {"run": RUN2, "model": "m", "tensor_parallel_size": 2,
+                        "health_s": _ab([40.0, 42.0], [41.0, 50.0])}}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "results.json").write_text(json.dumps(one))
+    (tmp_path / "b" / "results.json").write_text(json.dumps(two))
+    merged, _ = merge_results([tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"])
+    assert set(merged["items"]["throughput"]["models"]) == {"Qwen3-8B", "Llama-3.1-8B-Instruct"}
+    md = render_results(merged)
+    assert "| 0.980 [0.980..0.980], n=1 | >= 0.99 | FAIL | 1 |" in md
+    assert "| 1.000 [1.000..1.000], n=1 | >= 0.99 | pass | 2 |" in md
+    # TP=2 start: median 41.0 vs 45.5 -> 1.110, over the 1.1 target.
+    assert "TP=2 | 41.0 [40.0..42.0] | 45.5 [41.0..50.0] | 1.110 [1.025..1.190], n=2" in md
+    assert "not measured: not run" in md  # items neither run measured
+    assert "1. d1: NVIDIA H100, driver 1.0, vLLM 0.21.0" in md
+    assert "2. d2: NVIDIA H100" in md
+
+
+def test_doc_section_replaced_in_place(tmp_path: Path):
+    from bench_report import BEGIN, END, update_doc
+
+    doc = tmp_path / "docs" / "BENCHMARKS.md"
+    doc.parent.mkdir()
+    doc.write_text("# B\n\n## Page map\n\nkept\n\n## After\n")
+    update_doc(doc, [], tmp_path / "docs" / "bench" / "e2e", pending="no run yet")
+    first = doc.read_text()
+    assert first.count(BEGIN) == 1 and "not measured: no run yet" in first
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"items": {"pd": {"run": RUN1, "not_measured": "why"}}}))
+    update_doc(doc, [results], tmp_path / "docs" / "bench" / "e2e")
+    text = doc.read_text()
+    assert text.startswith("# B\n\n## Page map\n\nkept\n\n## After\n")
+    assert text.count(BEGIN) == text.count(END) == 1
+    assert "not measured: why" in text and "no run yet" not in text
+    assert json.loads((tmp_path / "docs" / "bench" / "e2e" / "results.json").read_text())
+
+
+def test_stdlib_png_is_a_valid_image_with_both_lines(tmp_path: Path, monkeypatch):
+    import bench_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the fallback path
+    path = tmp_path / "t.png"
+    renderer = bench_plot.write_timeline_png(path, [[0, 1, 0], [1, 4, 3], [2, 2, 0]])
+    assert renderer == "stdlib"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    # Decode the IDAT (filter byte 0 per row) and look for both line colours.
+    idat_len = struct.unpack(">I", data[33:37])[0]
+    raw = zlib.decompress(data[41:41 + idat_len])
+    assert len(raw) == height * (1 + 3 * width)
+    assert bytes(bench_plot.MAPPED) in raw and bytes(bench_plot.LIVE) in raw
