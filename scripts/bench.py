@@ -16,7 +16,8 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  mapped bytes must be within one headroom of the live tokens (pass/fail)
   4 pagemap      page map/unmap cost per page and batched vs the raw driver (or OS) calls,
                  through scripts/bench_vmm.py
-  5 pd           P/D over NIXL, VMM vs stock KV: runs scripts/bench_pd.py when present
+  5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py);
+                 end-to-end TTFT with scripts/bench_pd.py when present
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
 
 Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
@@ -59,6 +60,7 @@ from bench_report import merge_item, render_results  # noqa: E402
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup"]
 GPU_MODELS = ["Qwen3-8B", "Llama-3.1-8B-Instruct"]
 PD_SCRIPT = SCRIPTS / "bench_pd.py"
+NIXL_SCRIPT = SCRIPTS / "bench_nixl_vmm.py"
 
 # Sizes per mode. "est_child_s" is what one engine process is expected to take (start,
 # warm-up, workloads, shutdown); the driver stops adding repetitions when the next one
@@ -495,13 +497,33 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
 def item_pd(runner: Runner, prof: dict, out: Path, gpus: int) -> dict:
     if gpus < 2:
         return {"not_measured": f"needs 2 GPUs, this host has {gpus}"}
+    # Transfer throughput: NIXL READs of KV blocks from one GPU into the other, out of stock
+    # and out of VMM-backed memory registered per segment, as the patched NixlConnector does.
+    # Each invocation measures stock then VMM; `repeats` invocations give the spread.
+    stock: list[float] = []
+    vmm: list[float] = []
+    for i in range(prof["repeats"]):
+        js = out / f"nixl_transfer_{i}.json"
+        log = runner.logs / f"nixl_transfer_{i}.log"
+        print(f"pd: NIXL transfer {i + 1}/{prof['repeats']}", flush=True)
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json",
+                                 str(js)], stdout=f, stderr=subprocess.STDOUT, env=runner.env,
+                                timeout=600).returncode
+        if rc != 0 or not js.exists():
+            return {"not_measured": f"{NIXL_SCRIPT.name} exit {rc}, see logs/{log.name}"}
+        r = json.loads(js.read_text())
+        stock.append(r["stock"]["gb_per_s"])
+        vmm.append(r["vmm"]["gb_per_s"])
+    result: dict = {"transfer_gbps": summarize(stock, vmm)}
     if not PD_SCRIPT.exists():
-        return {"not_measured": f"{PD_SCRIPT.relative_to(ROOT)} (P/D over NIXL with VMM KV) "
-                                "is not in this checkout"}
+        result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.relative_to(ROOT)} (an engine "
+                                             "prefill/decode pair) is not in this checkout"}
+        return result
     # Contract of scripts/bench_pd.py: --backend {default,vmm} --model DIR --json PATH writes
-    # {"transfer_gbps": float, "ttft_ms": float} for one prefill/decode pair run.
+    # {"ttft_ms": float} for one prefill/decode pair run.
     model = model_dir(prof["elastic"]["model"], out)
-    runs: dict[str, list[dict]] = {"default": [], "vmm": []}
+    runs: dict[str, list[float]] = {"default": [], "vmm": []}
     for backend in ab_order(prof["repeats"]):
         js = out / f"pd_{backend}_{len(runs[backend])}.json"
         log = runner.logs / f"pd_{backend}_{len(runs[backend])}.log"
@@ -511,11 +533,12 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int) -> dict:
                                  model, "--json", str(js)], stdout=f, stderr=subprocess.STDOUT,
                                 env=runner.env, timeout=600).returncode
         if rc != 0 or not js.exists():
-            return {"not_measured": f"{PD_SCRIPT.name} exit {rc}, see logs/{log.name}"}
-        runs[backend].append(json.loads(js.read_text()))
-    a, b = runs["default"], runs["vmm"]
-    return {key: summarize([r[key] for r in a], [r[key] for r in b])
-            for key in ("transfer_gbps", "ttft_ms")}
+            result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name} exit {rc}, "
+                                                 f"see logs/{log.name}"}
+            return result
+        runs[backend].append(json.loads(js.read_text())["ttft_ms"])
+    result["ttft_ms"] = summarize(runs["default"], runs["vmm"])
+    return result
 
 
 def _free_port() -> int:

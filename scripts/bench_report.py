@@ -133,7 +133,12 @@ def render_results(results: dict, png_prefix: str = "") -> str:
         elif item == "pd":
             row(item, f"{name}: transfer GB/s", *_ab(data["transfer_gbps"]),
                 *_verdict("pd-transfer", data["transfer_gbps"]["ratio"], data.get("run")))
-            row(item, f"{name}: end-to-end TTFT (ms)", *_ab(data["ttft_ms"]))
+            ttft = data["ttft_ms"]
+            if "not_measured" in ttft:
+                row(item, f"{name}: end-to-end TTFT (ms)", "", "",
+                    f"not measured: {ttft['not_measured']}")
+            else:
+                row(item, f"{name}: end-to-end TTFT (ms)", *_ab(ttft))
         elif item == "tp2-startup":
             s = data["health_s"]
             row(item, f"{name}, {data['model']}, TP={data['tensor_parallel_size']}", *_ab(s),
