@@ -143,3 +143,60 @@ def test_vmm_tensor_parallel_2(kv_model, monkeypatch):
     rank0, rank1 = results["vmm"][1]
     assert rank0["kv_pages_mapped_total"] == rank1["kv_pages_mapped_total"] >= 3
     assert rank0["kv_mapped_bytes_peak"] == rank1["kv_mapped_bytes_peak"] > rank0["kv_mapped_bytes"]
+
+
+def _kv_page_metrics(llm) -> dict[str, float]:
+    """The VMM KV page metrics of engine 0, as vLLM's Prometheus stat logger recorded them."""
+    names = {"vllm:kv_cache_mapped_bytes", "vllm:kv_cache_mapped_pages",
+             "vllm:kv_cache_page_limit", "vllm:kv_cache_pages_mapped",
+             "vllm:kv_cache_pages_unmapped"}
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name in names and m.labels.get("engine") == "0"}
+
+
+def test_vmm_metrics_follow_load(kv_model):
+    """Mapped KV bytes and the pages mapped/unmapped counters reach vLLM's stat loggers
+    (LLM.get_metrics() reads the Prometheus logger): they rise with a batch that needs more
+    pages and the mapped bytes fall back within one headroom page once it is done."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+              kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
+              kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1,
+              disable_log_stats=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+        small = [{"prompt_token_ids": [(5 * j) % 4000 + 1 for j in range(20)]}]
+        # The stats of a step are recorded when its outputs arrive: one small request
+        # shows the startup mapping.
+        llm.generate(small, params)
+        idle = _kv_page_metrics(llm)
+        page = llm.collective_rpc(_worker_stats)[0]["page_bytes"]
+        assert idle["vllm:kv_cache_mapped_pages"] == 2  # null block's page + headroom
+        assert idle["vllm:kv_cache_mapped_bytes"] == 2 * page
+        assert idle["vllm:kv_cache_page_limit"] >= 4
+        assert idle["vllm:kv_cache_pages_mapped"] == 2
+        assert idle["vllm:kv_cache_pages_unmapped"] == 0
+
+        # 8 x 600 tokens: 40 blocks of 128 tokens, more than the 31 of the startup pages.
+        llm.generate([{"prompt_token_ids": p} for p in _prompts()[0]], params)
+        loaded = _kv_page_metrics(llm)
+        assert loaded["vllm:kv_cache_mapped_pages"] >= 4
+        assert loaded["vllm:kv_cache_mapped_bytes"] == (
+            loaded["vllm:kv_cache_mapped_pages"] * page)
+        assert loaded["vllm:kv_cache_pages_mapped"] >= 4
+
+        # The idle shrink ran after the batch; the next request's stats show it.
+        _wait_idle_stats(llm)
+        llm.generate(small, params)
+        after = _kv_page_metrics(llm)
+        assert after["vllm:kv_cache_pages_unmapped"] >= 2
+        assert after["vllm:kv_cache_mapped_bytes"] <= idle["vllm:kv_cache_mapped_bytes"] + page
+        # The scheduler's account is the workers' memory (one rank here).
+        assert after["vllm:kv_cache_mapped_bytes"] == (
+            llm.collective_rpc(_worker_stats)[0]["kv_mapped_bytes"])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()

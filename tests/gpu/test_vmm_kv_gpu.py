@@ -87,3 +87,151 @@ def test_vmm_tensor_parallel_2_on_gpu(gpu_model: Path, executor: str):
     assert ids == ref
     assert len(stats) == 2
     assert stats[0]["kv_pages_mapped_total"] == stats[1]["kv_pages_mapped_total"] >= 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+@pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_vmm_openai_server_tensor_parallel_2(gpu_model: Path, executor: str, tmp_path: Path):
+    """`vllm serve` (the OpenAI API server) with TP=2 and --kv-cache-memory-backend vmm
+    reaches /health 200, lists the model, answers a completion from prompt token ids, and
+    reports the mapped KV pages on /metrics and on the page-limit endpoint."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if _gpu_count() < 2:
+        pytest.skip("needs 2 GPUs (TP=2)")
+    if executor == "ray" and importlib.util.find_spec("ray") is None:
+        pytest.skip("needs ray (pip install ray) for --distributed-executor-backend ray")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(gpu_model), "--load-format", "dummy", "--skip-tokenizer-init",
+           "--tensor-parallel-size", "2", "--distributed-executor-backend", executor,
+           "--kv-cache-memory-backend", "vmm", "--enforce-eager", "--max-model-len", "1024",
+           "--gpu-memory-utilization", "0.3", "--host", "127.0.0.1", "--port", str(port)]
+    # NVLink multicast off (NCCL_NVLS_ENABLE=0); the page-limit endpoint is a dev endpoint.
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "VLLM_SERVER_DEV_MODE": "1"}
+    log_path = tmp_path / f"server-{executor}.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while _http(f"{base}/health", timeout=5)[0] != 200:
+            if server.poll() is not None:
+                pytest.fail(f"server exited with {server.returncode} before /health 200:\n"
+                            + log_path.read_text(errors="replace")[-6000:])
+            if time.monotonic() > deadline:
+                pytest.fail("no /health 200 within 600 s:\n"
+                            + log_path.read_text(errors="replace")[-6000:])
+            time.sleep(2)
+
+        status, body = _http(f"{base}/v1/models")
+        assert status == 200, body
+        model_ids = [m["id"] for m in json.loads(body)["data"]]
+        assert model_ids == [str(gpu_model)]
+
+        prompt = [(7 * j) % 4000 + 1 for j in range(300)]
+        status, body = _http(f"{base}/v1/completions", {
+            "model": model_ids[0], "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+        assert status == 200, body
+        completion = json.loads(body)
+        assert completion["usage"]["completion_tokens"] == MAX_TOKENS
+        assert len(completion["choices"][0]["token_ids"]) == MAX_TOKENS
+
+        status, body = _http(f"{base}/metrics")
+        assert status == 200
+        mapped = [line for line in body.decode().splitlines()
+                  if line.startswith("vllm:kv_cache_mapped_bytes{")]
+        assert mapped and float(mapped[0].rsplit(" ", 1)[1]) > 0, mapped
+
+        status, body = _http(f"{base}/kv_cache/page_limit?max_pages=4", {})
+        assert status == 200, body
+        pages = json.loads(body)
+        assert pages["kv_page_limit"] == 4 and 1 <= pages["kv_pages_mapped"] <= 4
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _throughput(model: Path, backend: str, prompts: list[dict], max_tokens: int) -> float:
+    """Generated tokens per second of one batch, after a warm-up batch."""
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, seed=0,
+              max_model_len=2048, gpu_memory_utilization=0.8, enable_prefix_caching=False,
+              kv_cache_memory_backend=backend)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                detokenize=False)
+        llm.generate(prompts[:8], params)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.mark.timeout(1800)  # four engine starts of an 8B model (pytest-timeout, if present)
+def test_vmm_throughput_ratio_on_gpu(tmp_path: Path):
+    """Offline generation throughput with the option on over option off, same run, same
+    device: a realistic model shape (Llama-3.1-8B's public config, dummy weights), 128
+    prompts of 1024 tokens, 256 generated tokens each, repetitions interleaved (A B B A).
+    Fails below KVSERIES_VMM_MIN_THROUGHPUT_RATIO (default 0.9, an acceptance bound, not a
+    measurement); the benchmark with repetitions and workloads is `make bench`."""
+    import json
+
+    from tiny_model import public_config
+
+    if not _series_has_vmm_kv():
+        pytest.skip("this vLLM tree does not carry the VMM-backed KV cache patch")
+    model = tmp_path / "llama-3.1-8b-dummy"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(public_config("Llama-3.1-8B-Instruct")))
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 30000 + 1 for j in range(1024)]}
+               for i in range(128)]
+    runs: dict[str, list[float]] = {"default": [], "vmm": []}
+    for backend in ("default", "vmm", "vmm", "default"):
+        runs[backend].append(_throughput(model, backend, prompts, max_tokens=256))
+    ratio = max(runs["vmm"]) / max(runs["default"])
+    print(f"throughput tokens/s: default {runs['default']}, vmm {runs['vmm']}, "
+          f"ratio vmm/default (best of 2 each) {ratio:.3f}")
+    assert ratio >= float(os.environ.get("KVSERIES_VMM_MIN_THROUGHPUT_RATIO", "0.9"))

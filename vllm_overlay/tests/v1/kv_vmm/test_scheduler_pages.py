@@ -4,7 +4,6 @@
 
 import pytest
 
-from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -12,14 +11,6 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
-
-# PagedBlockPool builds on the block pool internals of the releases the VMM KV cache is
-# wired into (vLLM 0.32); on older block pools there is no integration to test yet.
-pytestmark = pytest.mark.skipif(
-    not hasattr(BlockPool, "_insert_block_hash"),
-    reason="this vLLM's BlockPool predates the internals PagedBlockPool builds on; "
-    "the VMM KV cache is not wired into this release yet",
-)
 
 BPP = 4  # blocks per page
 
@@ -51,11 +42,13 @@ def pages_of(blocks: list[KVCacheBlock]) -> set[int]:
 
 
 def cache(pool: PagedBlockPool, block: KVCacheBlock, key: int) -> None:
-    pool._insert_block_hash(
-        make_block_hash_with_group_id(BlockHash(key.to_bytes(8, "little")), 0),
-        block,
-        num_tokens=16,
-    )
+    """Put ``block`` in the prefix cache, as cache_full_blocks does."""
+    block_hash = make_block_hash_with_group_id(BlockHash(key.to_bytes(8, "little")), 0)
+    if hasattr(pool, "_insert_block_hash"):
+        pool._insert_block_hash(block_hash, block, num_tokens=16)
+    else:  # block pools that keep one hash per block (vLLM 0.21)
+        block.block_hash = block_hash
+        pool.cached_block_hash_to_block.insert(block_hash, block)
 
 
 def test_startup_maps_the_null_block_page_and_headroom():
@@ -173,3 +166,23 @@ def test_reset_prefix_cache_with_unmapped_pages():
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache()
     assert len(pool.cached_block_hash_to_block) == 0
+
+
+def test_usage_and_prefix_cache_reset_ignore_blocks_beyond_the_limit():
+    # 30 blocks are 8 pages, the last one partial; a limit of 7 pages (the profiled
+    # memory rounded down) leaves blocks 28 and 29 unusable.
+    pool = make_pool(num_blocks=30, headroom=1, max_pages=7)
+    assert pool.get_num_free_blocks() == 27
+    assert pool.get_usage() == 0.0
+    blocks = pool.get_new_blocks(9)
+    assert pool.get_usage() == pytest.approx(9 / 27)
+    cache(pool, blocks[0], 1)
+    assert not pool.reset_prefix_cache()  # blocks in use
+    assert blocks[0].block_hash is not None
+    pool.free_blocks(blocks)
+    assert pool.get_usage() == 0.0
+    assert pool.reset_prefix_cache()
+    assert blocks[0].block_hash is None
+    assert len(pool.cached_block_hash_to_block) == 0
+    # Nothing else changed: admission still sees the limit.
+    assert pool.get_num_free_blocks() == 27

@@ -10,6 +10,7 @@ its forward pass. No rank guesses the world size and no thread is started.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -40,6 +41,9 @@ class KVPagePolicy:
     headroom_pages: int = 1
     """Free mapped pages the scheduler keeps ahead of demand."""
     shrink: KVPageShrinkPolicy = "idle"
+    page_bytes: int = 0
+    """Physical bytes one page takes, summed over the engine's ranks (for
+    the mapped-bytes metric; 0 when unknown)."""
 
 
 @dataclass
@@ -53,6 +57,42 @@ class KVPageOps:
         return bool(self.map or self.unmap)
 
 
+@dataclass
+class KVPageStats:
+    """The scheduler's page counters, reported with the scheduler stats."""
+
+    mapped_pages: int
+    page_limit: int
+    mapped_bytes: int
+    """Physical KV memory mapped now, summed over the engine's ranks."""
+    pages_mapped_total: int
+    """Pages mapped since startup (the startup mapping included)."""
+    pages_unmapped_total: int
+
+
+#: Regions assumed for a per-layer KV tensor whose attention backend the
+#: caller does not know (the engine core, before the workers allocate): a K/V
+#: split ``(2, num_blocks, ...)``. Whole granules in both halves of a block
+#: range are also whole granules in a block-outermost tensor, so pages sized
+#: for it fit either layout.
+KV_SPLIT_REGIONS = 2
+
+
+def _shares_one_backing(kv_cache_config: "KVCacheConfig") -> bool:
+    # vLLM releases that place all KV tensors of a rank in one backing
+    # allocation describe each tensor's place in it (``block_stride``);
+    # older ones allocate one tensor per KVCacheTensor.
+    return hasattr(kv_cache_config.kv_cache_tensors[0], "block_stride")
+
+
+def _unsupported(kv_cache_config: "KVCacheConfig") -> NotImplementedError:
+    return NotImplementedError(
+        f"VMM-backed KV memory (--kv-cache-memory-backend vmm) does not "
+        f"support this KV cache layout ({kv_cache_config.kv_cache_tensors}); "
+        "use --kv-cache-memory-backend default"
+    )
+
+
 def kv_backing_layout(kv_cache_config: "KVCacheConfig") -> KVTensorLayout:
     """Layout of the one backing allocation all KV tensors of a rank share.
 
@@ -64,37 +104,61 @@ def kv_backing_layout(kv_cache_config: "KVCacheConfig") -> KVTensorLayout:
     tensors = kv_cache_config.kv_cache_tensors
     num_blocks = kv_cache_config.num_blocks
     block_strides = {t.block_stride for t in tensors}
-    unsupported = (
-        f"VMM-backed KV memory (--kv-cache-memory-backend vmm) does not "
-        f"support this KV cache layout ({tensors}); use the default backend"
-    )
     if len(block_strides) != 1 or any(t.host_resident for t in tensors):
-        raise NotImplementedError(unsupported)
+        raise _unsupported(kv_cache_config)
     block_stride = block_strides.pop()
     region_bytes = num_blocks * block_stride
     size = tensors[0].size
     if size % region_bytes:
-        raise NotImplementedError(unsupported)
+        raise _unsupported(kv_cache_config)
     num_regions = size // region_bytes
     if num_regions > 1 and any(
         t.offset % region_bytes or (len(t.layers) > 1 and t.layer_stride % region_bytes)
         for t in tensors
     ):
-        raise NotImplementedError(unsupported)
+        raise _unsupported(kv_cache_config)
     return KVTensorLayout(
         block_bytes=num_regions * block_stride, num_regions=num_regions
     )
+
+
+def kv_tensor_layouts(
+    kv_cache_config: "KVCacheConfig", num_regions: Sequence[int] | None = None
+) -> list[KVTensorLayout]:
+    """Layouts of the KV memory a rank allocates, one per allocation.
+
+    With one backing allocation per rank, the layout follows from the
+    config. With one tensor per KVCacheTensor, the attention backend decides
+    how many regions each has: ``num_regions`` (one per tensor, from the
+    worker), or :data:`KV_SPLIT_REGIONS` when unknown.
+    """
+    if _shares_one_backing(kv_cache_config):
+        return [kv_backing_layout(kv_cache_config)]
+    tensors = kv_cache_config.kv_cache_tensors
+    num_blocks = kv_cache_config.num_blocks
+    if num_regions is None:
+        num_regions = [KV_SPLIT_REGIONS] * len(tensors)
+    if len(num_regions) != len(tensors) or any(
+        t.size % num_blocks or (t.size // num_blocks) % r
+        for t, r in zip(tensors, num_regions)
+    ):
+        raise _unsupported(kv_cache_config)
+    return [
+        KVTensorLayout(block_bytes=t.size // num_blocks, num_regions=r)
+        for t, r in zip(tensors, num_regions)
+    ]
 
 
 def kv_page_geometry(
     kv_cache_config: "KVCacheConfig",
     granularity: int,
     blocks_per_page: int | None = None,
+    num_regions: Sequence[int] | None = None,
 ) -> KVPageGeometry:
     """The page geometry of one rank; ``blocks_per_page`` (the policy's)
     must be a multiple of the rank's own smallest mappable unit."""
-    layout = kv_backing_layout(kv_cache_config)
-    unit = KVPageGeometry([layout], 1, granularity).blocks_per_page
+    layouts = kv_tensor_layouts(kv_cache_config, num_regions)
+    unit = KVPageGeometry(layouts, 1, granularity).blocks_per_page
     if blocks_per_page is None:
         blocks_per_page = unit
     if blocks_per_page % unit:
@@ -103,7 +167,7 @@ def kv_page_geometry(
             f"rank's mappable unit of {unit} blocks"
         )
     return KVPageGeometry(
-        [layout],
+        layouts,
         kv_cache_config.num_blocks,
         granularity,
         pages_per_segment=blocks_per_page // unit,
@@ -118,6 +182,15 @@ def virtual_kv_cache_config(
     Block ids past the pool's are never handed out; they only round the
     regions up to whole pages so that a page is whole granules everywhere.
     """
+    if not _shares_one_backing(kv_cache_config):
+        sizes = geometry.tensor_bytes
+        tensors = [
+            replace(t, size=nbytes)
+            for t, nbytes in zip(kv_cache_config.kv_cache_tensors, sizes)
+        ]
+        return replace(
+            kv_cache_config, num_blocks=geometry.num_blocks, kv_cache_tensors=tensors
+        )
     layout = geometry.layouts[0]
     block_stride = layout.region_block_bytes
     old_region = kv_cache_config.num_blocks * block_stride
@@ -163,12 +236,17 @@ def make_kv_page_policy(
     max_pages = cache_config.kv_cache_vmm_max_pages
     if max_pages is None:
         max_pages = budget_pages
+    page_bytes = 0
+    for config in kv_cache_configs:
+        geometry = kv_page_geometry(config, granularity, blocks_per_page)
+        page_bytes += geometry.page_bytes * geometry.pages_per_segment
     return KVPagePolicy(
         granularity=granularity,
         blocks_per_page=blocks_per_page,
         max_pages=max_pages,
         headroom_pages=cache_config.kv_cache_vmm_headroom_pages,
         shrink=cache_config.kv_cache_vmm_shrink,
+        page_bytes=page_bytes,
     )
 
 

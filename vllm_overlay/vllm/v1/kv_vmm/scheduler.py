@@ -15,7 +15,12 @@ from collections.abc import Iterable
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
+from vllm.v1.kv_vmm.pages import (
+    KVPageOps,
+    KVPagePolicy,
+    KVPageStats,
+    initial_kv_pages,
+)
 
 logger = init_logger(__name__)
 
@@ -37,13 +42,14 @@ class PagedBlockPool(BlockPool):
         self.num_pages = -(-self.num_gpu_blocks // bpp)
         self._mapped: set[int] = set()
         self._pending = KVPageOps()
-        self.num_pages_mapped_total = 0
+        self._checking_idle = False
         self.num_pages_unmapped_total = 0
         # Rebuild the free queue from the initially mapped pages only; the
         # null block (block 0) was popped by the base class and its page is
         # one of them, mapped on every rank at startup.
         initial = initial_kv_pages(policy)
         self._mapped.update(initial)
+        self.num_pages_mapped_total = len(initial)
         self._num_mapped_blocks = sum(len(self._page_blocks(p)) for p in initial)
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
@@ -76,7 +82,28 @@ class PagedBlockPool(BlockPool):
         return self.free_block_queue.num_free_blocks == self._num_mapped_blocks - 1
 
     def get_num_free_blocks(self) -> int:
+        if self._checking_idle:
+            return self.num_gpu_blocks - 1
         return self.free_block_queue.num_free_blocks + self._growable_blocks()
+
+    def get_usage(self) -> float:
+        # Blocks beyond the page limit (e.g. of a last page the profiled
+        # memory does not cover) are never free: usage is relative to the
+        # blocks the limit allows.
+        capacity = self._num_mapped_blocks - 1 + self._growable_blocks()
+        if capacity <= 0:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / capacity
+
+    def reset_prefix_cache(self) -> bool:
+        # vLLM's check ("every block but the null block is free") would count
+        # the blocks beyond the page limit as used; what it means is that no
+        # request holds a block.
+        self._checking_idle = self.idle
+        try:
+            return super().reset_prefix_cache()
+        finally:
+            self._checking_idle = False
 
     # -- allocation -----------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -113,7 +140,9 @@ class PagedBlockPool(BlockPool):
         pages = sorted(pages)
         for page in pages:
             blocks = self._page_blocks(page)
-            if self._reuse_watchers:
+            # Readers of blocks released with unpin_blocks learn that the
+            # blocks are gone (block pools without that API have no readers).
+            if getattr(self, "_reuse_watchers", None):
                 self._notify_reuse(blocks)
             for block in blocks:
                 assert block.ref_cnt == 0 and not block.is_null
@@ -192,6 +221,15 @@ class PagedBlockPool(BlockPool):
         self.policy.max_pages = max_pages
         self._shrink_to_limit()
         logger.info("KV page limit set to %d pages", max_pages)
+
+    def make_page_stats(self) -> KVPageStats:
+        return KVPageStats(
+            mapped_pages=len(self._mapped),
+            page_limit=self.policy.max_pages,
+            mapped_bytes=len(self._mapped) * self.policy.page_bytes,
+            pages_mapped_total=self.num_pages_mapped_total,
+            pages_unmapped_total=self.num_pages_unmapped_total,
+        )
 
     def page_stats(self) -> dict[str, float]:
         return {

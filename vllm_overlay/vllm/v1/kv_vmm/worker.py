@@ -4,8 +4,10 @@
 KV tensors over a virtual reservation, and the page changes the scheduler
 sends, applied before the forward pass."""
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -59,11 +61,12 @@ class KVPageMapper:
         device: torch.device,
         on_segment_mapped: SegmentCallback | None = None,
         before_segment_unmapped: SegmentCallback | None = None,
+        num_regions: Sequence[int] | None = None,
     ) -> None:
         self.policy = policy
         backend = make_vmm_backend(device, policy.granularity)
         self.geometry = kv_page_geometry(
-            kv_cache_config, backend.granularity, policy.blocks_per_page
+            kv_cache_config, backend.granularity, policy.blocks_per_page, num_regions
         )
         self.virtual_config = virtual_kv_cache_config(kv_cache_config, self.geometry)
         # The table's own limit is the whole reservation: the scheduler
@@ -82,18 +85,26 @@ class KVPageMapper:
         self.apply(KVPageOps(map=initial_kv_pages(policy)))
         logger.info(
             "VMM-backed KV cache: %d virtual blocks (%.2f GiB reserved), "
-            "%d blocks per page, %.2f MiB per page, %.2f MiB mapped at startup",
+            "%d blocks per page, %.2f MiB per page, %.2f MiB mapped at startup "
+            "in %.1f ms",
             self.geometry.num_blocks,
             sum(self.geometry.tensor_bytes) / (1 << 30),
             policy.blocks_per_page,
             self.page_bytes / (1 << 20),
             self.mapped_bytes / (1 << 20),
+            self.map_seconds * 1000,
         )
 
     @property
     def buffer(self) -> torch.Tensor:
         """The flat ``int8`` backing allocation, viewed per layer by vLLM."""
         return self.table.tensors[0].view(torch.int8)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """One flat ``int8`` tensor per KVCacheTensor (releases that allocate
+        one tensor per KVCacheTensor)."""
+        return [t.view(torch.int8) for t in self.table.tensors]
 
     @property
     def page_bytes(self) -> int:
@@ -152,3 +163,115 @@ def allocate_vmm_kv_cache(
         mapper.virtual_config, device, *args, buffer=mapper.buffer, **kwargs
     )
     return kv_caches, mapper
+
+
+def attention_kv_regions(
+    attn_backend: Any,
+    kv_cache_spec: Any,
+    kernel_block_size: int,
+    cache_dtype: str,
+) -> int:
+    """Regions of one layer's KV tensor as the attention backend lays it out:
+    the product of the physical dimensions before the block dimension (1 for
+    ``(num_blocks, 2, ...)``, 2 for ``(2, num_blocks, ...)``).
+
+    The block dimension is the one that grows with the block count; the
+    physical order is the backend's stride order, as in the model runner.
+    """
+    if not hasattr(kv_cache_spec, "num_kv_heads"):
+        raise NotImplementedError(
+            f"VMM-backed KV memory (--kv-cache-memory-backend vmm) supports "
+            f"attention KV caches only, not {type(kv_cache_spec).__name__}; "
+            "use --kv-cache-memory-backend default"
+        )
+    kernel_blocks = kv_cache_spec.block_size // kernel_block_size
+    block_size = getattr(kv_cache_spec, "storage_block_size", kv_cache_spec.block_size)
+    if block_size == kv_cache_spec.block_size:
+        block_size = kernel_block_size
+
+    def physical_shape(num_blocks: int) -> tuple[int, ...]:
+        shape = attn_backend.get_kv_cache_shape(
+            num_blocks * kernel_blocks,
+            block_size,
+            kv_cache_spec.num_kv_heads,
+            kv_cache_spec.head_size,
+            cache_dtype_str=cache_dtype,
+        )
+        try:
+            order = attn_backend.get_kv_cache_stride_order()
+            assert len(order) == len(shape)
+        except (AttributeError, NotImplementedError):
+            order = tuple(range(len(shape)))
+        return tuple(shape[i] for i in order)
+
+    one, two = physical_shape(1), physical_shape(2)
+    block_dims = [d for d, (a, b) in enumerate(zip(one, two)) if a != b]
+    if len(one) != len(two) or len(block_dims) != 1:
+        raise NotImplementedError(
+            f"VMM-backed KV memory cannot find the block dimension of "
+            f"{attn_backend.get_name()}'s KV cache shape {one}; use "
+            "--kv-cache-memory-backend default"
+        )
+    return math.prod(one[: block_dims[0]])
+
+
+def kv_tensor_regions(kv_cache_config, layer_regions: dict[str, int]) -> list[int]:
+    """Regions of each KVCacheTensor, from those of the layers sharing it."""
+    regions = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        found = {layer_regions[n] for n in tensor.shared_by if n in layer_regions}
+        if len(found) != 1:
+            raise NotImplementedError(
+                f"VMM-backed KV memory needs one KV layout per tensor; the "
+                f"layers {tensor.shared_by} have {sorted(found) or 'none'}; use "
+                "--kv-cache-memory-backend default"
+            )
+        regions.append(found.pop())
+    return regions
+
+
+def allocate_vmm_kv_tensors(
+    kv_cache_config,
+    device: torch.device,
+    layer_regions: dict[str, int],
+) -> tuple[dict[str, torch.Tensor], KVPageMapper]:
+    """Allocate a rank's KV tensors over VMM memory, one per KVCacheTensor
+    (releases whose model runner allocates them one by one), as the flat
+    ``int8`` tensors the model runner then views per layer.
+
+    ``layer_regions``: each layer's region count
+    (:func:`attention_kv_regions`). The tensors address the virtual block
+    count (whole pages); the scheduler never hands out the extra block ids.
+    """
+    mapper = KVPageMapper(
+        kv_cache_config,
+        kv_cache_config.kv_page_policy,
+        device,
+        num_regions=kv_tensor_regions(kv_cache_config, layer_regions),
+    )
+    raw_tensors: dict[str, torch.Tensor] = {}
+    for tensor, buffer in zip(kv_cache_config.kv_cache_tensors, mapper.buffers):
+        for layer_name in tensor.shared_by:
+            raw_tensors[layer_name] = buffer
+    return raw_tensors, mapper
+
+
+def attention_layer_regions(
+    attn_groups: Iterable[Any], kernel_block_sizes: Sequence[int], cache_dtype: str
+) -> dict[str, int]:
+    """:func:`attention_kv_regions` of every layer of the model runner's
+    attention groups (``backend``, ``kv_cache_spec``, ``layer_names``,
+    ``kv_cache_group_id``)."""
+    regions: dict[str, int] = {}
+    for group in attn_groups:
+        if group.kv_cache_group_id >= len(kernel_block_sizes):
+            # Layers without KV cache.
+            continue
+        n = attention_kv_regions(
+            group.backend,
+            group.kv_cache_spec,
+            kernel_block_sizes[group.kv_cache_group_id],
+            cache_dtype,
+        )
+        regions.update(dict.fromkeys(group.layer_names, n))
+    return regions

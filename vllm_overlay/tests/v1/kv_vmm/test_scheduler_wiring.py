@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM's scheduler with VMM-backed KV memory: the page decisions travel in the
+step message, an empty step gives pages back, and the stats carry the counters."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_vmm.pages import KVPagePolicy
+from vllm.v1.kv_vmm.scheduler import PagedBlockPool
+from vllm.v1.request import RequestStatus
+
+# vLLM's own scheduler test helpers (absent where only this directory's tests are
+# laid over an installed vLLM).
+core_utils = pytest.importorskip(
+    "tests.v1.core.utils", reason="needs vLLM's tests/v1/core/utils.py"
+)
+create_requests = core_utils.create_requests
+
+BPP = 4  # blocks per page
+NUM_BLOCKS = 64
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    """A local model config (no download, no tokenizer)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def make_scheduler(model_dir: str, monkeypatch, policy: KVPagePolicy | None):
+    if policy is not None:
+        # The engine core attaches the policy to the scheduler's KV cache config.
+        monkeypatch.setattr(
+            core_utils,
+            "KVCacheConfig",
+            lambda **kwargs: KVCacheConfig(**kwargs, kv_page_policy=policy),
+        )
+    return core_utils.create_scheduler(
+        model=model_dir,
+        num_blocks=NUM_BLOCKS,
+        block_size=16,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+    )
+
+
+def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
+    policy = KVPagePolicy(
+        granularity=2 << 20, blocks_per_page=BPP, max_pages=NUM_BLOCKS // BPP
+    )
+    scheduler = make_scheduler(model_dir, monkeypatch, policy)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, PagedBlockPool)
+    mapped = {0, 1}  # the null block's page and one headroom page
+
+    # 4 requests of 100 tokens: 7 blocks each, more than the startup pages hold.
+    requests = create_requests(num_requests=4, num_tokens=100, block_size=16)
+    for request in requests:
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    ops = output.kv_page_ops
+    assert ops is not None and not ops.unmap and ops.map
+    mapped |= set(ops.map)
+    block_ids = [
+        block_id
+        for new_req in output.scheduled_new_reqs
+        for group in new_req.block_ids
+        for block_id in group
+    ]
+    assert len(block_ids) == 4 * 7
+    # Every block handed out lies on a page the workers map before the forward.
+    assert {b // BPP for b in block_ids} <= mapped
+    stats = scheduler.make_stats()
+    assert stats is not None and stats.kv_page_stats is not None
+    assert stats.kv_page_stats.mapped_pages == len(mapped)
+
+    scheduler.finish_requests(
+        [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
+    )
+    assert scheduler.has_requests()
+    output = scheduler.schedule()
+    assert output.total_num_scheduled_tokens == 0
+    ops = output.kv_page_ops
+    assert ops is not None and not ops.map
+    assert set(ops.unmap) == mapped - {0, 1}
+    # Given back: no further step is needed.
+    assert not scheduler.has_requests()
+    stats = scheduler.make_stats()
+    assert stats is not None and stats.kv_page_stats is not None
+    assert stats.kv_page_stats.mapped_pages == 2
+    assert stats.kv_page_stats.pages_unmapped_total == len(mapped) - 2
+
+
+def test_default_memory_backend_is_unchanged(model_dir, monkeypatch):
+    scheduler = make_scheduler(model_dir, monkeypatch, policy=None)
+    assert type(scheduler.kv_cache_manager.block_pool) is BlockPool
+    for request in create_requests(num_requests=2, num_tokens=100, block_size=16):
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert output.kv_page_ops is None
+    stats = scheduler.make_stats()
+    assert stats is not None and stats.kv_page_stats is None

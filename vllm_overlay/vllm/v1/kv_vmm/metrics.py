@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""VMM-backed KV memory in vLLM's stats loggers: a part of the periodic log
+line and Prometheus metrics, from the :class:`KVPageStats` the scheduler
+attaches to its stats."""
+
+from typing import Any
+
+from vllm.v1.kv_vmm.pages import KVPageStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+
+def kv_page_log_part(stats: KVPageStats) -> tuple[str, list[float]]:
+    """Format and arguments of the log line's KV page part."""
+    return (
+        "KV pages mapped: %d/%d (%.2f GiB), +%d/-%d since start",
+        [
+            stats.mapped_pages,
+            stats.page_limit,
+            stats.mapped_bytes / (1 << 30),
+            stats.pages_mapped_total,
+            stats.pages_unmapped_total,
+        ],
+    )
+
+
+class KVPagePrometheusMetrics:
+    """Gauges of what is mapped now and counters of pages mapped and
+    unmapped, one series per engine.
+
+    Args:
+        gauge_cls, counter_cls: the stat logger's metric classes.
+        labelnames: the stat logger's label names.
+        per_engine_labelvalues: label values per engine index.
+
+    """
+
+    def __init__(
+        self,
+        gauge_cls: Any,
+        counter_cls: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[Any]],
+    ) -> None:
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self.mapped_bytes = per_engine(
+            gauge_cls(
+                name="vllm:kv_cache_mapped_bytes",
+                documentation="Physical KV cache memory mapped, summed over "
+                "the engine's ranks (--kv-cache-memory-backend vmm).",
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+        )
+        self.mapped_pages = per_engine(
+            gauge_cls(
+                name="vllm:kv_cache_mapped_pages",
+                documentation="KV cache pages mapped (--kv-cache-memory-backend vmm).",
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+        )
+        self.page_limit = per_engine(
+            gauge_cls(
+                name="vllm:kv_cache_page_limit",
+                documentation="Physical limit of the KV cache in pages "
+                "(--kv-cache-memory-backend vmm).",
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+        )
+        self.pages_mapped = per_engine(
+            counter_cls(
+                name="vllm:kv_cache_pages_mapped",
+                documentation="KV cache pages mapped (--kv-cache-memory-backend vmm).",
+                labelnames=labelnames,
+            )
+        )
+        self.pages_unmapped = per_engine(
+            counter_cls(
+                name="vllm:kv_cache_pages_unmapped",
+                documentation="KV cache pages unmapped "
+                "(--kv-cache-memory-backend vmm).",
+                labelnames=labelnames,
+            )
+        )
+        # Counters take increments; the scheduler reports running totals.
+        self._last: dict[int, tuple[int, int]] = {}
+
+    def record(self, engine_idx: int, stats: KVPageStats) -> None:
+        self.mapped_bytes[engine_idx].set(stats.mapped_bytes)
+        self.mapped_pages[engine_idx].set(stats.mapped_pages)
+        self.page_limit[engine_idx].set(stats.page_limit)
+        mapped, unmapped = self._last.get(engine_idx, (0, 0))
+        self.pages_mapped[engine_idx].inc(stats.pages_mapped_total - mapped)
+        self.pages_unmapped[engine_idx].inc(stats.pages_unmapped_total - unmapped)
+        self._last[engine_idx] = (stats.pages_mapped_total, stats.pages_unmapped_total)
