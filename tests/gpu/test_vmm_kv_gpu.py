@@ -187,51 +187,6 @@ def test_vmm_openai_server_tensor_parallel_2(gpu_model: Path, executor: str, tmp
                 server.wait()
 
 
-def _throughput(model: Path, backend: str, prompts: list[dict], max_tokens: int) -> float:
-    """Generated tokens per second of one batch, after a warm-up batch."""
-    import time
-
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, seed=0,
-              max_model_len=2048, gpu_memory_utilization=0.8, enable_prefix_caching=False,
-              kv_cache_memory_backend=backend)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=False)
-        llm.generate(prompts[:8], params)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-        return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-@pytest.mark.timeout(1800)  # four engine starts of an 8B model (pytest-timeout, if present)
-def test_vmm_throughput_ratio_on_gpu(tmp_path: Path):
-    """Offline generation throughput with the option on over option off, same run, same
-    device: a realistic model shape (Llama-3.1-8B's public config, dummy weights), 128
-    prompts of 1024 tokens, 256 generated tokens each, repetitions interleaved (A B B A).
-    Fails below KVSERIES_VMM_MIN_THROUGHPUT_RATIO (default 0.9, an acceptance bound, not a
-    measurement); the benchmark with repetitions and workloads is `make bench`."""
-    import json
-
-    from tiny_model import public_config
-
-    if not _series_has_vmm_kv():
-        pytest.skip("this vLLM tree does not carry the VMM-backed KV cache patch")
-    model = tmp_path / "llama-3.1-8b-dummy"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(public_config("Llama-3.1-8B-Instruct")))
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 30000 + 1 for j in range(1024)]}
-               for i in range(128)]
-    runs: dict[str, list[float]] = {"default": [], "vmm": []}
-    for backend in ("default", "vmm", "vmm", "default"):
-        runs[backend].append(_throughput(model, backend, prompts, max_tokens=256))
-    ratio = max(runs["vmm"]) / max(runs["default"])
-    print(f"throughput tokens/s: default {runs['default']}, vmm {runs['vmm']}, "
-          f"ratio vmm/default (best of 2 each) {ratio:.3f}")
-    assert ratio >= float(os.environ.get("KVSERIES_VMM_MIN_THROUGHPUT_RATIO", "0.9"))
+# The throughput ratio VMM/stock on realistic configs is measured by `make bench`
+# (scripts/bench.py, item 1: interleaved A/B pairs, results in docs/BENCHMARKS.md), not
+# asserted here.
