@@ -119,20 +119,40 @@ def main() -> None:
     p.add_argument("--from", dest="src", required=True)
     p.add_argument("--to", dest="dst", required=True)
     p.add_argument("--report", type=Path, default=None)
+    p.add_argument("--range-diff-only", action="store_true",
+                   help="only (re)write the range-diff report from the applied build trees, "
+                   "e.g. after resolving conflicts and `make refresh`")
     args = p.parse_args()
     src, dst = get_release(args.src), get_release(args.dst)
-    carried, dropped = rebase(src, dst)
     report = args.report or ROOT / "docs" / "range-diff" / f"{src.tag}-{dst.tag}.txt"
-    report.parent.mkdir(parents=True, exist_ok=True)
-    text = range_diff(src, dst)
-    report.write_text(
-        f"git range-diff of the series: {src.tag} (left) -> {dst.tag} (right)\n"
-        f"Carried: {len(carried)}; dropped because {dst.tag} has them: "
-        f"{', '.join(dropped) or 'none'}\n"
-        "Legend: '=' same patch, '!' changed (diff of the diffs below), '<' only in the left, "
-        "'>' only in the right.\n\n" + text)
+    if args.range_diff_only:
+        apply_series(src, log=lambda *_: None)
+        apply_series(dst, log=lambda *_: None)
+        write_report(report, src, dst, range_diff(src, dst))
+        print(f"range-diff {src.tag} -> {dst.tag} in {report}")
+        return
+    carried, dropped = rebase(src, dst)
+    write_report(report, src, dst, range_diff(src, dst))
     print(f"{src.tag} -> {dst.tag}: {len(carried)} patches carried, {len(dropped)} dropped; "
           f"patches/{dst.tag}/ written; range-diff in {report}")
+
+
+def write_report(report: Path, src, dst, text: str) -> None:
+    """The range-diff with a header a reviewer can read without knowing git range-diff."""
+    header, _ = read_series(dst)
+    notes = "\n".join(ln for ln in header if ln.startswith("#"))
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(
+        f"The series carried from vLLM {src.version} to vLLM {dst.version}\n"
+        f"({src.tag}: patches/{src.tag}/, left; {dst.tag}: patches/{dst.tag}/, right).\n\n"
+        "How to read it: one line per patch pair, `N: <commit> <mark> M: <commit> <subject>`.\n"
+        "  =  the patch is the same on both releases (only line numbers moved)\n"
+        "  !  the patch changed; the lines below it are a diff of the two patches:\n"
+        "     a leading -/+ says whether a line of the patch is only on the left or\n"
+        "     only on the right (the second column is the patch's own -/+)\n"
+        "  <  only on the left: dropped or not carried (see the series notes below)\n"
+        "  >  only on the right: new for this release\n\n"
+        f"Series notes (patches/{dst.tag}/series):\n{notes or '(none)'}\n\n" + text)
 
 
 if __name__ == "__main__":
