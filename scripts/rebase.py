@@ -18,6 +18,7 @@ docs/range-diff/v<from>-v<to>.txt) so a reviewer sees what changed in each patch
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def rebase(src, dst, log=print) -> tuple[list[str], list[str]]:
             write_state(tree, state)
             err = failure_error(tree, dst, failure)
             err.problem = f"rebase {src.tag} -> {dst.tag}: " + err.problem
+            moved = moved_definitions(tree, dst, patch)
+            if moved:
+                err.problem += "\nCode the patch changes has moved in " + dst.tag + ":\n" + \
+                    "\n".join(f"  {m}" for m in moved)
             raise err
         state["patches"].append({"name": name, "digest": sha256_file(patch),
                                  "commit": git(tree, "rev-parse", "HEAD").stdout.strip()})
@@ -87,6 +92,37 @@ def rebase(src, dst, log=print) -> tuple[list[str], list[str]]:
     write_state(tree, state)
     refresh(dst)
     return carried, dropped
+
+
+# The function/class a hunk is in: its @@ context, or a definition among its old lines.
+_HUNK_DEF = re.compile(r"^(?:@@ [^@]* @@ |[ -]\s*)(?:async )?(?:def|class) (\w+)", re.M)
+
+
+def moved_definitions(tree: Path, dst, patch: Path) -> list[str]:
+    """For each function/class a patch's hunks sit in (their @@ context) that the target
+    release no longer defines in the same file, where the target defines it instead.
+
+    A 3-way merge cannot follow code that moved to another file (e.g. vLLM 0.33 split
+    kv_cache_utils.py into kv_cache_planning.py): it reports the whole region as a conflict.
+    Naming the new home tells the reader where to re-apply the hunk by hand."""
+    found = []
+    for section in re.split(r"^diff --git ", patch.read_text(errors="replace"), flags=re.M)[1:]:
+        m = re.match(r"a/(\S+) b/", section)
+        if not m:
+            continue
+        path = m.group(1)
+        old = git(tree, "show", f"{dst.tag}:{path}", check=False)
+        for name in dict.fromkeys(_HUNK_DEF.findall(section)):
+            pattern = rf"^\s*(async )?(def|class) {name}\b"
+            if old.returncode == 0 and re.search(pattern, old.stdout, re.M):
+                continue
+            hits = git(tree, "grep", "-l", "-E", rf"^\s*(async )?(def|class) {name}\b",
+                       dst.tag, "--", "*.py", check=False).stdout.split()
+            where = [h.split(":", 1)[1] for h in hits if h.split(":", 1)[1] != path]
+            if where:
+                found.append(f"{name} (in {path} on the source release) is in "
+                             f"{', '.join(where)} on {dst.tag}")
+    return found
 
 
 def _write_series(dst, header: list[str], names: list[str], src, dropped: list[str]) -> None:
