@@ -218,10 +218,12 @@ def install(release: Release, venv: Path, kernels: str) -> str:
         raise SeriesError(f"unknown kernel flavour {kernels!r}.",
                           "Use VLLM_KERNELS=cpu, cuda or none (or leave it unset to detect).")
     if kernels == "cpu" and not release.cpu_kernels:
+        build = (f"the CPU build of vLLM {release.version} ({release.cpu_wheel}) needs "
+                 f"torch=={release.torch}+cpu, which cannot be installed on this machine"
+                 if release.cpu_wheel else
+                 f"vLLM {release.version} has no CPU build (ci/matrix.toml: cpu_wheel is empty)")
         raise SeriesError(
-            f"the CPU build of vLLM {release.version} ({release.cpu_wheel}) needs "
-            f"torch=={release.torch}+cpu, which cannot be installed on this machine "
-            "(ci/matrix.toml: cpu_kernels = false).",
+            f"{build} (ci/matrix.toml: cpu_kernels = false).",
             f"Install it without kernels for pure-Python tests: `make install "
             f"VLLM_VERSION={release.version} VLLM_KERNELS=none`, or run it on a CUDA host "
             "(`VLLM_KERNELS=cuda`), or use a release whose CPU build installs (e.g. 0.32.0).",

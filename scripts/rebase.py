@@ -18,6 +18,7 @@ docs/range-diff/v<from>-v<to>.txt) so a reviewer sees what changed in each patch
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def rebase(src, dst, log=print) -> tuple[list[str], list[str]]:
             write_state(tree, state)
             err = failure_error(tree, dst, failure)
             err.problem = f"rebase {src.tag} -> {dst.tag}: " + err.problem
+            moved = moved_definitions(tree, dst, patch)
+            if moved:
+                err.problem += "\nCode the patch changes has moved in " + dst.tag + ":\n" + \
+                    "\n".join(f"  {m}" for m in moved)
             raise err
         state["patches"].append({"name": name, "digest": sha256_file(patch),
                                  "commit": git(tree, "rev-parse", "HEAD").stdout.strip()})
@@ -87,6 +92,37 @@ def rebase(src, dst, log=print) -> tuple[list[str], list[str]]:
     write_state(tree, state)
     refresh(dst)
     return carried, dropped
+
+
+# The function/class a hunk is in: its @@ context, or a definition among its old lines.
+_HUNK_DEF = re.compile(r"^(?:@@ [^@]* @@ |[ -]\s*)(?:async )?(?:def|class) (\w+)", re.M)
+
+
+def moved_definitions(tree: Path, dst, patch: Path) -> list[str]:
+    """For each function/class a patch's hunks sit in (their @@ context) that the target
+    release no longer defines in the same file, where the target defines it instead.
+
+    A 3-way merge cannot follow code that moved to another file (e.g. vLLM 0.33 split
+    kv_cache_utils.py into kv_cache_planning.py): it reports the whole region as a conflict.
+    Naming the new home tells the reader where to re-apply the hunk by hand."""
+    found = []
+    for section in re.split(r"^diff --git ", patch.read_text(errors="replace"), flags=re.M)[1:]:
+        m = re.match(r"a/(\S+) b/", section)
+        if not m:
+            continue
+        path = m.group(1)
+        old = git(tree, "show", f"{dst.tag}:{path}", check=False)
+        for name in dict.fromkeys(_HUNK_DEF.findall(section)):
+            pattern = rf"^\s*(async )?(def|class) {name}\b"
+            if old.returncode == 0 and re.search(pattern, old.stdout, re.M):
+                continue
+            hits = git(tree, "grep", "-l", "-E", rf"^\s*(async )?(def|class) {name}\b",
+                       dst.tag, "--", "*.py", check=False).stdout.split()
+            where = [h.split(":", 1)[1] for h in hits if h.split(":", 1)[1] != path]
+            if where:
+                found.append(f"{name} (in {path} on the source release) is in "
+                             f"{', '.join(where)} on {dst.tag}")
+    return found
 
 
 def _write_series(dst, header: list[str], names: list[str], src, dropped: list[str]) -> None:
@@ -119,20 +155,40 @@ def main() -> None:
     p.add_argument("--from", dest="src", required=True)
     p.add_argument("--to", dest="dst", required=True)
     p.add_argument("--report", type=Path, default=None)
+    p.add_argument("--range-diff-only", action="store_true",
+                   help="only (re)write the range-diff report from the applied build trees, "
+                   "e.g. after resolving conflicts and `make refresh`")
     args = p.parse_args()
     src, dst = get_release(args.src), get_release(args.dst)
-    carried, dropped = rebase(src, dst)
     report = args.report or ROOT / "docs" / "range-diff" / f"{src.tag}-{dst.tag}.txt"
-    report.parent.mkdir(parents=True, exist_ok=True)
-    text = range_diff(src, dst)
-    report.write_text(
-        f"git range-diff of the series: {src.tag} (left) -> {dst.tag} (right)\n"
-        f"Carried: {len(carried)}; dropped because {dst.tag} has them: "
-        f"{', '.join(dropped) or 'none'}\n"
-        "Legend: '=' same patch, '!' changed (diff of the diffs below), '<' only in the left, "
-        "'>' only in the right.\n\n" + text)
+    if args.range_diff_only:
+        apply_series(src, log=lambda *_: None)
+        apply_series(dst, log=lambda *_: None)
+        write_report(report, src, dst, range_diff(src, dst))
+        print(f"range-diff {src.tag} -> {dst.tag} in {report}")
+        return
+    carried, dropped = rebase(src, dst)
+    write_report(report, src, dst, range_diff(src, dst))
     print(f"{src.tag} -> {dst.tag}: {len(carried)} patches carried, {len(dropped)} dropped; "
           f"patches/{dst.tag}/ written; range-diff in {report}")
+
+
+def write_report(report: Path, src, dst, text: str) -> None:
+    """The range-diff with a header a reviewer can read without knowing git range-diff."""
+    header, _ = read_series(dst)
+    notes = "\n".join(ln for ln in header if ln.startswith("#"))
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(
+        f"The series carried from vLLM {src.version} to vLLM {dst.version}\n"
+        f"({src.tag}: patches/{src.tag}/, left; {dst.tag}: patches/{dst.tag}/, right).\n\n"
+        "How to read it: one line per patch pair, `N: <commit> <mark> M: <commit> <subject>`.\n"
+        "  =  the patch is the same on both releases (only line numbers moved)\n"
+        "  !  the patch changed; the lines below it are a diff of the two patches:\n"
+        "     a leading -/+ says whether a line of the patch is only on the left or\n"
+        "     only on the right (the second column is the patch's own -/+)\n"
+        "  <  only on the left: dropped or not carried (see the series notes below)\n"
+        "  >  only on the right: new for this release\n\n"
+        f"Series notes (patches/{dst.tag}/series):\n{notes or '(none)'}\n\n" + text)
 
 
 if __name__ == "__main__":

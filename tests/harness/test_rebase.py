@@ -41,3 +41,43 @@ def test_rebase_stops_at_conflict_with_report(project: Project):
     assert proc.returncode == 1
     assert "rebase v1.0.0 -> v2.0.0" in proc.stderr and "0001-Core-Seven.patch" in proc.stderr
     assert "vllm/core.py" in proc.stderr and "am --abort" in proc.stderr
+
+
+def test_rebase_conflict_names_where_moved_code_went(project: Project):
+    """Upstream moved f7 to another file: the report says where it is now."""
+    add_patch(project, V1, "vllm/core.py", "return x + 7\n", "return x + 70\n", "[Core] Seven")
+    cache = project.root / "cache"
+    sha1 = hashlib.sha256((cache / f"vllm-{V1}.tar.gz").read_bytes()).hexdigest()
+    moved = "def f7(x):\n    return x + 7\n\n\n"
+    sha2 = make_sdist(cache / f"vllm-{V2}.tar.gz", V2,
+                      {"vllm/core.py": CORE_PY.replace(moved, ""), "vllm/planning.py": moved})
+    write_matrix(project.root, {V1: sha1, V2: sha2})
+    proc = project.run("rebase.py", "--from", V1, "--to", V2, check=False)
+    assert proc.returncode == 1
+    assert "f7 (in vllm/core.py on the source release) is in vllm/planning.py on v2.0.0" \
+        in proc.stderr
+
+
+def test_range_diff_only_after_resolving_a_conflict(project: Project, tmp_path):
+    """Resolve by hand, refresh, then --range-diff-only writes the reviewer's report."""
+    add_patch(project, V1, "vllm/core.py", "return x + 7\n", "return x + 70\n", "[Core] Seven")
+    _new_release(project, CORE_PY.replace("return x + 7\n", "return x * 7\n"))
+    assert project.run("rebase.py", "--from", V1, "--to", V2, check=False).returncode == 1
+    tree = project.tree(V2)
+    core = (tree / "vllm/core.py").read_text()
+    start = core.index("<<<<<<<")
+    end = core.index(">>>>>>>")
+    end = core.index("\n", end) + 1
+    (tree / "vllm/core.py").write_text(core[:start] + "    return x * 70\n" + core[end:])
+    project.git(V2, "add", "vllm/core.py")
+    project.git(V2, "am", "--continue")
+    project.run("refresh.py", "--version", V2)
+    series = project.patches / f"v{V2}" / "series"
+    series.write_text("# Adapted: Seven multiplies on 2.0.0.\n" + series.read_text())
+    report = tmp_path / "rd.txt"
+    project.run("rebase.py", "--from", V1, "--to", V2, "--range-diff-only",
+                "--report", str(report))
+    text = report.read_text()
+    assert "How to read it" in text and "# Adapted: Seven multiplies on 2.0.0." in text
+    assert "!" in next(ln for ln in text.splitlines() if "[Core] Seven" in ln)
+    assert "+    return x * 70" in text or "+    return x * 70" in text.replace("+ ", "+")
