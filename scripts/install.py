@@ -26,6 +26,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,8 +240,9 @@ def install(release: Release, venv: Path, kernels: str) -> str:
     if kernels == "none":
         print(f"installing torch {release.python_only_torch} and vLLM {release.version}'s "
               "requirements/common.txt (no kernels)")
-        pip(venv, "install", "-q", f"torch=={release.python_only_torch}",
-            "-r", str(tree / "requirements" / "common.txt"))
+        requirements = python_only_requirements(tree, release.python_only_unpin,
+                                                venv / "python-only-requirements.txt")
+        pip(venv, "install", "-q", f"torch=={release.python_only_torch}", "-r", str(requirements))
         version = f"{release.version}+cpu"
     else:
         wheel = release.cpu_wheel if kernels == "cpu" else release.cuda_wheel
@@ -299,6 +301,25 @@ def refresh_finder(venv: Path, tree: Path) -> bool:
         pip(venv, "install", "-q", "--no-deps", "--force-reinstall", str(whl))
     mark_editable(venv, tree)
     return True
+
+
+def python_only_requirements(tree: Path, unpin: list[str], dest: Path) -> Path:
+    """The release's requirements/common.txt, with the version floors of `unpin` dropped.
+    Other lines (and `-r` includes, resolved relative to the release's requirements/) stay."""
+    common = tree / "requirements" / "common.txt"
+    if not unpin:
+        return common
+    names = {n.lower() for n in unpin}
+    lines = []
+    for line in common.read_text().splitlines():
+        name = re.split(r"[\s<>=!~;\[]", line.strip(), maxsplit=1)[0].lower()
+        if line.strip().startswith("-r "):
+            line = "-r " + str(common.parent / line.strip()[3:].strip())
+        elif name in names:
+            line = name
+        lines.append(line)
+    dest.write_text("\n".join(lines) + "\n")
+    return dest
 
 
 def default_venv(release: Release) -> Path:

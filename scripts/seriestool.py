@@ -104,6 +104,9 @@ class Release:
     ci_tiers: list[str] = field(default_factory=list)
     gpu_tiers: list[str] = field(default_factory=list)
     python_only_torch: str = ""
+    # Requirements whose version floor the python-only install drops (e.g. a floor newer than
+    # any release on the package index; see ci/matrix.toml).
+    python_only_unpin: list[str] = field(default_factory=list)
     sdist_url: str = ""
     notes: str = ""
 

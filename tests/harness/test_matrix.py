@@ -33,3 +33,23 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"^    (make test)$", readme, re.M).group(1)
     assert command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_python_only_install_drops_only_the_named_version_floors(tmp_path: Path):
+    from install import python_only_requirements
+
+    req = tmp_path / "tree" / "requirements"
+    req.mkdir(parents=True)
+    (req / "common.txt").write_text(
+        "requests >= 2.33.0\ncertifi >= 2026.10.19\n"
+        "certifi-extra >= 1.0  # a different package\n-r more.txt\n"
+    )
+    out = python_only_requirements(tmp_path / "tree", ["certifi"], tmp_path / "out.txt")
+    assert out.read_text().splitlines() == [
+        "requests >= 2.33.0",
+        "certifi",
+        "certifi-extra >= 1.0  # a different package",
+        f"-r {req / 'more.txt'}",
+    ]
+    # Nothing to drop: the release's own file, untouched.
+    assert python_only_requirements(tmp_path / "tree", [], tmp_path / "x.txt") == req / "common.txt"

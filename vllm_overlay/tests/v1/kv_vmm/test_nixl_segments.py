@@ -17,6 +17,15 @@ from tests.v1.kv_vmm.utils import requires_nixl
 
 pytestmark = requires_nixl
 
+
+@pytest.fixture(autouse=True)
+def _ucx_over_loopback(monkeypatch):
+    # Both agents live in this process and exchange host memory: keep UCX on
+    # TCP/shared memory over the loopback. Left to itself on a host with GPUs
+    # or RDMA devices, UCX may pick a transport these reads never complete on.
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
 BLOCK_BYTES = 256 * 1024  # 8 blocks per 2 MiB page
 NUM_BLOCKS = 64  # 8 pages of virtual room
 
@@ -63,7 +72,8 @@ def _block(table, block: int, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
 def _read(xfer, local, local_ids, remote, remote_ids) -> str:
     handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids)
     state = xfer.transfer(handle)
-    while state == "PROC":
+    deadline = time.monotonic() + 60
+    while state == "PROC" and time.monotonic() < deadline:
         state = xfer.check_xfer_state(handle)
     xfer.release_xfer_handle(handle)
     return state
