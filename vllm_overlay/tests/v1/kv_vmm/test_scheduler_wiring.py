@@ -14,6 +14,10 @@ from vllm.v1.kv_vmm.pages import KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 from vllm.v1.request import RequestStatus
 
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+
+pytestmark = requires_vmm_kv_wiring
+
 # vLLM's own scheduler test helpers (absent where only this directory's tests are
 # laid over an installed vLLM).
 core_utils = pytest.importorskip(

@@ -22,6 +22,8 @@ from vllm.v1.kv_vmm.worker import (
     kv_tensor_regions,
 )
 
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+
 # Releases that place a rank's KV tensors in one backing allocation describe
 # the layout in the KV cache config (covered by the engine tests) and give the
 # attention backends no get_kv_cache_shape.
@@ -94,6 +96,7 @@ def is_backed(table, start: int, nbytes: int) -> bool:
 
 
 @per_tensor_release
+@requires_vmm_kv_wiring
 def test_per_tensor_pages_back_every_block_in_both_layouts():
     # Not a multiple of a page: the tensors are rounded up to whole pages.
     num_blocks = 1000

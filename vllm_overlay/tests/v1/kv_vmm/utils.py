@@ -20,3 +20,18 @@ requires_cuda_vmm = pytest.mark.skipif(
 requires_nixl = pytest.mark.skipif(
     importlib.util.find_spec("nixl") is None, reason="needs nixl"
 )
+
+
+def vllm_wires_vmm_kv() -> bool:
+    """Whether this vLLM carries the patch that wires VMM-backed KV memory into
+    the engine (``--kv-cache-memory-backend``); the overlay alone does not, e.g.
+    on a release the patch has not been carried to yet."""
+    from vllm.config import CacheConfig
+
+    return "kv_cache_memory_backend" in getattr(CacheConfig, "__dataclass_fields__", {})
+
+
+requires_vmm_kv_wiring = pytest.mark.skipif(
+    not vllm_wires_vmm_kv(),
+    reason="this vLLM does not carry the VMM-backed KV cache patch",
+)
