@@ -14,6 +14,7 @@ externally computed).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -109,6 +110,10 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
     give pages back when idle."""
     prefill, decode = run_disaggregated(pd_model, tmp_path, "vmm")
     _check(reference, prefill, decode)
+    # The prefill instance mapped pages while prefilling the second wave: the requests
+    # it finished then tell the decode instance that its registrations changed.
+    second = json.loads((tmp_path / "params1.json").read_text())
+    assert max(t.get("remote_registration_epoch", 0) for t in second) >= 1
     for side in (prefill, decode):
         start, after_first, after_second = [s[0] for s in side["stats"]]
         assert after_first["kv_pages_mapped_total"] == start["kv_pages_mapped_total"]

@@ -118,6 +118,10 @@ def test_disaggregated_vmm_kv_on_two_gpus(node, pd_model, reference, tmp_path):
     prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(), "vmm",
                                              _env, NODE_ARGS, timeout=TIMEOUT)
     _check(reference, prefill, decode, pd_model)
+    # The prefill instance mapped pages while prefilling the second wave: the requests
+    # it finished then tell the decode instance that its registrations changed.
+    second = json.loads((tmp_path / "params1.json").read_text())
+    assert max(t.get("remote_registration_epoch", 0) for t in second) >= 1
     # Both instances mapped (and, on the prefill, registered and published) segments in
     # the second wave, after the decode instance had loaded the prefill's metadata.
     for side in (prefill, decode):
