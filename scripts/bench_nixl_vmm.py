@@ -78,7 +78,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
     if kind == "cuda":
         from vllm.v1.kv_vmm.cuda import CudaVmmBackend
 
-        backend: Any = CudaVmmBackend(device)
+        backend: Any = CudaVmmBackend(f"cuda:{device}")
     else:
         backend = HostVmmBackend()
     geometry = KVPageGeometry([KVTensorLayout(block_bytes=nbytes, num_regions=1)],
@@ -102,8 +102,16 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     nbytes = args.block_bytes * args.num_blocks
-    agent = nixl_agent(f"{role}-{mode}", nixl_agent_config(backends=["UCX"]))
     device = 1 if role == "owner" else 0
+    if args.kind == "cuda":
+        import torch
+
+        # UCX looks for a current CUDA context when it sets up its transports and
+        # registrations; without one it leaves cuda_ipc out (host-staged copies).
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+        torch.empty(1, device=f"cuda:{device}")
+    agent = nixl_agent(f"{role}-{mode}", nixl_agent_config(backends=["UCX"]))
     base, mem_type, dev_id, xfer, close = _memory(mode, args.kind, device, nbytes, agent)
     blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
                        for b in range(args.num_blocks)], dtype=np.uint64)

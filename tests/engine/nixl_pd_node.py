@@ -17,6 +17,10 @@ worker's KV page stats when the KV memory backend is ``vmm``.
 
 Each instance is a separate OS process with its own engine core and worker;
 they meet only through the NIXL side channel (ZMQ on localhost) and UCX.
+
+The same flow runs on CPU (KV in host memory) and on CUDA (KV in device
+memory, one GPU per instance): ``run_single`` and ``run_disaggregated`` start
+the instances as subprocesses with the environment the caller gives.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Page stats are read from the worker through collective_rpc with a function.
@@ -74,6 +83,9 @@ def main() -> None:
     parser.add_argument("--backend", default="default")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--kv-bytes", type=int, default=64 << 20)
+    parser.add_argument("--kv-buffer-device", default="cpu",
+                        help="where NIXL reads and writes the KV cache: cpu or cuda")
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--extra", default="{}", help="JSON of extra LLM kwargs")
     args = parser.parse_args()
 
@@ -86,7 +98,7 @@ def main() -> None:
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
-        max_model_len=4096,
+        max_model_len=args.max_model_len,
         max_num_seqs=8,
         seed=0,
         kv_cache_memory_bytes=args.kv_bytes,
@@ -101,7 +113,7 @@ def main() -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NixlConnector",
             kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
-            kv_buffer_device="cpu",
+            kv_buffer_device=args.kv_buffer_device,
         )
     llm = LLM(**kwargs)
     try:
@@ -150,6 +162,78 @@ def main() -> None:
         (args.dir / f"{args.role}.json").write_text(json.dumps(out))
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+# -- driver: the test side --------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(role: str, model: Path, workdir: Path, backend: str, env: dict[str, str],
+           node_args: list[str]) -> subprocess.Popen:
+    log = open(workdir / f"{role}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", role, "--model", str(model),
+         "--dir", str(workdir), "--backend", backend, *node_args],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+        # Its own process group: a failed run takes the engine core and worker along.
+        start_new_session=True)
+
+
+def _finish(procs: list[subprocess.Popen], workdir: Path, timeout: float) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        if p.returncode != 0:
+            role = p.args[p.args.index("--role") + 1]
+            tail = (workdir / f"{role}.log").read_text()[-6000:]
+            raise AssertionError(f"{role} instance exited with {p.returncode}:\n{tail}")
+
+
+def _side_channel(env: dict[str, str], port: int) -> dict[str, str]:
+    return {**env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
+def run_single(model: Path, workdir: Path, prompts: list[list[int]], env: dict[str, str],
+               node_args: list[str], backend: str = "default",
+               timeout: float = 600) -> dict:
+    """One instance without a connector: the reference token ids."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prompts.json").write_text(json.dumps(prompts))
+    _finish([_start("single", model, workdir, backend, env, node_args)], workdir, timeout)
+    return json.loads((workdir / "single.json").read_text())
+
+
+def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]], backend: str,
+                      env_of: Callable[[str], dict[str, str]], node_args: list[str],
+                      prefill_extra: dict | None = None, decode_extra: dict | None = None,
+                      timeout: float = 600) -> tuple[dict, dict]:
+    """A prefill and a decode instance at once; ``env_of(role)`` is each one's environment
+    (e.g. its GPU). Returns both instances' reports."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prompts.json").write_text(json.dumps(prompts))
+    procs = [
+        _start(role, model, workdir, backend, _side_channel(env_of(role), free_port()),
+               [*node_args, "--extra", json.dumps(extra or {})])
+        for role, extra in (("prefill", prefill_extra), ("decode", decode_extra))
+    ]
+    _finish(procs, workdir, timeout)
+    return (json.loads((workdir / "prefill.json").read_text()),
+            json.loads((workdir / "decode.json").read_text()))
 
 
 if __name__ == "__main__":

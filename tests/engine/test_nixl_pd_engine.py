@@ -13,12 +13,9 @@ externally computed).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,18 +24,22 @@ pytestmark = pytest.mark.engine
 
 nixl = pytest.importorskip("nixl", reason="NixlConnector needs the nixl package")
 
-NODE = Path(__file__).with_name("nixl_pd_node.py")
+
+def _load_node():
+    spec = importlib.util.spec_from_file_location(
+        "nixl_pd_node", Path(__file__).with_name("nixl_pd_node.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+node = _load_node()
 MAX_TOKENS = 6
 TIMEOUT = 600
+NODE_ARGS = ["--max-tokens", str(MAX_TOKENS)]
 # The CPU backend's block size; K and V of 2 layers x 4 KV heads x 64 dims in bfloat16.
 BLOCK_SIZE = 128
 BLOCK_KV_BYTES = 2 * 2 * 4 * 64 * 2 * BLOCK_SIZE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts() -> list[list[int]]:
@@ -49,68 +50,26 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + 13 * j) % 4000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
 
 
-def _env(port: int | None) -> dict[str, str]:
+def _env(role: str = "single") -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["VLLM_TARGET_DEVICE"] = "cpu"
     # UCX between two processes of one host over the loopback.
     env.setdefault("UCX_TLS", "tcp,self,sm")
     env.setdefault("UCX_NET_DEVICES", "lo")
-    if port is not None:
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     return env
 
 
-def _start(role: str, model: Path, workdir: Path, backend: str, port: int | None,
-           extra: dict | None = None) -> subprocess.Popen:
-    log = open(workdir / f"{role}.log", "w")
-    return subprocess.Popen(
-        [sys.executable, str(NODE), "--role", role, "--model", str(model),
-         "--dir", str(workdir), "--backend", backend, "--max-tokens", str(MAX_TOKENS),
-         "--extra", json.dumps(extra or {})],
-        env=_env(port), stdout=log, stderr=subprocess.STDOUT,
-        # Its own process group: a failed run takes the engine core and worker along.
-        start_new_session=True)
-
-
-def _finish(procs: list[subprocess.Popen], workdir: Path) -> None:
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        if p.returncode != 0:
-            role = p.args[p.args.index("--role") + 1]
-            tail = (workdir / f"{role}.log").read_text()[-6000:]
-            pytest.fail(f"{role} instance exited with {p.returncode}:\n{tail}")
-
-
 def run_single(model: Path, workdir: Path, backend: str = "default") -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "prompts.json").write_text(json.dumps(_prompts()))
-    _finish([_start("single", model, workdir, backend, None)], workdir)
-    return json.loads((workdir / "single.json").read_text())
+    return node.run_single(model, workdir, _prompts(), _env(), NODE_ARGS, backend,
+                           timeout=TIMEOUT)
 
 
 def run_disaggregated(model: Path, workdir: Path, backend: str,
                       prefill_extra: dict | None = None,
                       decode_extra: dict | None = None) -> tuple[dict, dict]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "prompts.json").write_text(json.dumps(_prompts()))
-    prefill = _start("prefill", model, workdir, backend, _free_port(), prefill_extra)
-    decode = _start("decode", model, workdir, backend, _free_port(), decode_extra)
-    _finish([prefill, decode], workdir)
-    return (json.loads((workdir / "prefill.json").read_text()),
-            json.loads((workdir / "decode.json").read_text()))
+    return node.run_disaggregated(model, workdir, _prompts(), backend, _env, NODE_ARGS,
+                                  prefill_extra, decode_extra, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +110,10 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
     give pages back when idle."""
     prefill, decode = run_disaggregated(pd_model, tmp_path, "vmm")
     _check(reference, prefill, decode)
+    # The prefill instance mapped pages while prefilling the second wave: the requests
+    # it finished then tell the decode instance that its registrations changed.
+    second = json.loads((tmp_path / "params1.json").read_text())
+    assert max(t.get("remote_registration_epoch", 0) for t in second) >= 1
     for side in (prefill, decode):
         start, after_first, after_second = [s[0] for s in side["stats"]]
         assert after_first["kv_pages_mapped_total"] == start["kv_pages_mapped_total"]
