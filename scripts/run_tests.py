@@ -86,7 +86,7 @@ def upstream(version: str, results: list) -> None:
     results.append((f"{version} upstream (vs stock)", rc, counts))
 
 
-def run_release(release, tiers: list[str], results: list) -> None:
+def run_release(release, tiers: list[str], results: list, slow: bool = False) -> None:
     v = release.version
     try:
         print(f"\n=== vLLM {v}: {apply_series(release)}", flush=True)
@@ -113,7 +113,9 @@ def run_release(release, tiers: list[str], results: list) -> None:
             if any((ROOT / "tests" / "unit").glob("test_*.py")):
                 pytest(python, ["--timeout=600", "tests/unit"], ROOT, f"{v} unit", results, env)
         elif tier == "engine":
-            pytest(python, ["--timeout=900", "tests/engine"], ROOT, f"{v} engine", results, env)
+            select = [] if slow else ["-m", "not slow"]
+            pytest(python, ["--timeout=900", *select, "tests/engine"], ROOT, f"{v} engine",
+                   results, env)
         elif tier == "gpu":
             tests = series_tests(release)
             pytest(python, ["--timeout=900", "tests/gpu", *[str(release.tree / t) for t in tests]],
@@ -130,6 +132,8 @@ def main() -> int:
     p.add_argument("--version", default=None)
     p.add_argument("--tiers", default=None, help="comma-separated; default: the matrix's")
     p.add_argument("--gpu", action="store_true", help="run each release's gpu_tiers")
+    p.add_argument("--slow", action="store_true",
+                   help="engine tier: also the cases marked slow (shapes CI covers otherwise)")
     p.add_argument("--installed", action="store_true",
                    help="test the vLLM this Python imports (e.g. after make overlay-install): "
                         "tests/gpu, tests/engine and the overlay's own tests; no apply/install")
@@ -153,7 +157,7 @@ def main() -> int:
     for release in chosen:
         tiers = tiers_of(release)
         if [t for t in tiers if t != "harness"]:
-            run_release(release, tiers, results)
+            run_release(release, tiers, results, slow=args.slow)
 
     return summarize(results)
 

@@ -204,7 +204,9 @@ def _result(returncode: int, output: str) -> dict:
     return json.loads(match.group(1))
 
 
-@pytest.mark.parametrize("parallel", ["pp2", "tp2"])
+@pytest.mark.parametrize(
+    "parallel", ["pp2", pytest.param("tp2", marks=pytest.mark.slow)]
+)
 def test_serves_with_kv_offloading(tmp_path, tiny_llama, parallel):
     kv_bytes = SERVE_KV_BLOCKS * BLOCK_TOKENS * BYTES_PER_TOKEN_PER_RANK
     cpu_bytes = 2 * CPU_CHUNKS_PER_RANK * BLOCK_TOKENS * BYTES_PER_TOKEN_PER_RANK
@@ -255,12 +257,13 @@ def test_serves_with_kv_offloading(tmp_path, tiny_llama, parallel):
 @pytest.mark.parametrize(
     ("parallel", "failing_ranks"),
     [
-        (
+        pytest.param(
             "pp2",
             [
                 "PP stage 0 / TP rank 0, layers 0 (1 KV cache layers)",
                 "PP stage 1 / TP rank 0, layers 1 (1 KV cache layers)",
             ],
+            marks=pytest.mark.slow,
         ),
         ("tp2", ["PP stage 0 / TP ranks 0-1, layers 0-1 (2 KV cache layers)"]),
     ],
