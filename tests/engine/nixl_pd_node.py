@@ -218,6 +218,20 @@ def run_single(model: Path, workdir: Path, prompts: list[list[int]], env: dict[s
     return json.loads((workdir / "single.json").read_text())
 
 
+def check_disaggregated(reference: list[list[int]], prefill: dict, decode: dict,
+                        max_tokens: int, min_nixl_bytes: int) -> None:
+    """A prefill/decode pair answered like one instance and moved the prompts' KV through
+    NIXL: at least `min_nixl_bytes` (K and V of every layer for every full block of every
+    prompt), with no failed transfer."""
+    assert all(len(ids) == max_tokens for ids in reference)
+    # The prefill instance's one token is the first token of the full generation.
+    assert [ids[:1] for ids in prefill["token_ids"]] == [ids[:1] for ids in reference]
+    assert decode["token_ids"] == reference
+    nixl = decode["nixl"][-1]
+    assert nixl.get("vllm:nixl_num_failed_transfers", 0) == 0
+    assert nixl["vllm:nixl_bytes_transferred:sum"] >= min_nixl_bytes
+
+
 def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]], backend: str,
                       env_of: Callable[[str], dict[str, str]], node_args: list[str],
                       prefill_extra: dict | None = None, decode_extra: dict | None = None,

@@ -85,16 +85,9 @@ def reference(pd_model, tmp_path_factory) -> list[list[int]]:
 
 
 def _check(reference: list[list[int]], prefill: dict, decode: dict) -> None:
-    assert all(len(ids) == MAX_TOKENS for ids in reference)
-    # The prefill instance's one token is the first token of the full generation.
-    assert [ids[:1] for ids in prefill["token_ids"]] == [ids[:1] for ids in reference]
-    assert decode["token_ids"] == reference
-    # The decode read the prompts' KV from the prefill instance through NIXL: at least the
-    # K and V of every layer for every full block of every prompt.
-    nixl = decode["nixl"][-1]
-    assert nixl.get("vllm:nixl_num_failed_transfers", 0) == 0
     full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
-    assert nixl["vllm:nixl_bytes_transferred:sum"] >= full_blocks * BLOCK_KV_BYTES
+    node.check_disaggregated(reference, prefill, decode, MAX_TOKENS,
+                             full_blocks * BLOCK_KV_BYTES)
 
 
 def test_disaggregated_stock_kv_matches_single_instance(pd_model, reference, tmp_path):

@@ -93,15 +93,9 @@ def _block_kv_bytes(model: Path) -> int:
 
 
 def _check(reference: list[list[int]], prefill: dict, decode: dict, model: Path) -> None:
-    assert all(len(ids) == MAX_TOKENS for ids in reference)
-    # The prefill instance's one token is the first token of the full generation.
-    assert [ids[:1] for ids in prefill["token_ids"]] == [ids[:1] for ids in reference]
-    assert decode["token_ids"] == reference
-    # The decode read every full block of every prompt from the prefill through NIXL.
-    nixl = decode["nixl"][-1]
-    assert nixl.get("vllm:nixl_num_failed_transfers", 0) == 0
     full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
-    assert nixl["vllm:nixl_bytes_transferred:sum"] >= full_blocks * _block_kv_bytes(model)
+    _load_node().check_disaggregated(reference, prefill, decode, MAX_TOKENS,
+                                     full_blocks * _block_kv_bytes(model))
 
 
 def test_disaggregated_stock_kv_on_two_gpus(node, pd_model, reference, tmp_path):
