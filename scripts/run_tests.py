@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from buildtree import apply_series  # noqa: E402
+from hf_cache import offline_env  # noqa: E402
 from install import default_venv, detect_kernels, install  # noqa: E402
 from seriestool import ROOT, SeriesError, git_out, load_matrix, main_guard  # noqa: E402
 
@@ -108,8 +109,10 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False) ->
         if tier == "unit":
             tests = series_tests(release)
             if tests:
+                # Series tests built on vLLM's own test helpers name hub models (e.g.
+                # facebook/opt-125m): the offline hub cache of public configs serves them.
                 pytest(python, ["-m", "not gpu", "--timeout=600", *tests], release.tree,
-                       f"{v} unit (series tests in tree)", results, env)
+                       f"{v} unit (series tests in tree)", results, {**offline_env(), **env})
             if any((ROOT / "tests" / "unit").glob("test_*.py")):
                 pytest(python, ["--timeout=600", "tests/unit"], ROOT, f"{v} unit", results, env)
         elif tier == "engine":
