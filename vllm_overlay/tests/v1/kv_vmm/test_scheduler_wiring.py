@@ -14,9 +14,10 @@ from vllm.v1.kv_vmm.pages import KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 from vllm.v1.request import RequestStatus
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.utils import requires_kv_page_stats, requires_vmm_kv_wiring
 
-pytestmark = requires_vmm_kv_wiring
+# The tests read the page counters from the scheduler stats (the metrics patch).
+pytestmark = [requires_vmm_kv_wiring, requires_kv_page_stats]
 
 # vLLM's own scheduler test helpers (absent where only this directory's tests are
 # laid over an installed vLLM).

@@ -35,3 +35,17 @@ requires_vmm_kv_wiring = pytest.mark.skipif(
     not vllm_wires_vmm_kv(),
     reason="this vLLM does not carry the VMM-backed KV cache patch",
 )
+
+
+def vllm_reports_kv_page_stats() -> bool:
+    """Whether the scheduler stats carry the VMM page counters (the metrics
+    patch; carried separately from the wiring)."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    return "kv_page_stats" in getattr(SchedulerStats, "__dataclass_fields__", {})
+
+
+requires_kv_page_stats = pytest.mark.skipif(
+    not vllm_reports_kv_page_stats(),
+    reason="this vLLM does not carry the VMM KV page metrics patch",
+)
