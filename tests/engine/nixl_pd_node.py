@@ -40,6 +40,10 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
+#: KV lease of the prefill instance (NixlConnector's kv_lease_duration), seconds.
+LEASE_S = 600
+
+
 def _worker_stats(worker) -> dict:
     mapper = getattr(worker.model_runner, "kv_page_mapper", None)
     return {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
@@ -114,8 +118,18 @@ def main() -> None:
             kv_connector="NixlConnector",
             kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
             kv_buffer_device=args.kv_buffer_device,
+            # The prefill instance keeps a finished request's blocks for the decode
+            # instance until it reports the read done, or for this many seconds. A busy
+            # test machine can take longer than the default 30 s between the two; an
+            # expired lease frees the blocks (with VMM-backed KV, possibly their pages
+            # too) and the read then fails by design, which is not what this checks.
+            kv_connector_extra_config={"kv_lease_duration": LEASE_S},
         )
     llm = LLM(**kwargs)
+    if args.role == "decode":
+        # Up and connected to nothing yet: the prefill instance starts its first wave
+        # only now, so no lease runs while this instance is still starting.
+        (args.dir / "decode.ready").write_text("")
     try:
         out: dict = {"stats": [llm.collective_rpc(_worker_stats)]}
         if args.role == "single":
@@ -124,6 +138,7 @@ def main() -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         elif args.role == "prefill":
+            _wait_for(args.dir / "decode.ready", timeout=600)
             out["token_ids"] = []
             for wave, (lo, hi) in enumerate(_waves(len(prompts))):
                 params = [

@@ -95,14 +95,6 @@ def test_disaggregated_stock_kv_matches_single_instance(pd_model, reference, tmp
     _check(reference, prefill, decode)
 
 
-# Known open defect (issue 5), kept visible as XFAIL/XPASS rather than deselected: now
-# and then a read of the second wave fails with NIXL_ERR_NOT_FOUND even after the
-# refetch-and-retry ("no backend had the required registrations"), so that request is
-# failed (load failures are set to "fail"). Suspected: a read into, or out of, a segment
-# mapped in the same step before its registration exists on that side. Remove the mark
-# with the fix.
-@pytest.mark.xfail(reason="intermittent NIXL_ERR_NOT_FOUND on a segment mapped mid-run "
-                   "(issue 5)", strict=False)
 def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_path):
     """VMM-backed KV on both instances. Each starts with the null block's page and one
     headroom page mapped. The second wave (prefilled after the decode instance's handshake)

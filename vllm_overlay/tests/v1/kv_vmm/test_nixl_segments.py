@@ -8,6 +8,7 @@ page table over its own reservation. The decode side reads blocks of the
 prefill side, as NixlConnector does.
 """
 
+import os
 import time
 
 import pytest
@@ -21,10 +22,13 @@ pytestmark = requires_nixl
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
     # Both agents live in this process and exchange host memory: keep UCX on
-    # TCP/shared memory over the loopback. Left to itself on a host with GPUs
-    # or RDMA devices, UCX may pick a transport these reads never complete on.
-    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    # TCP/shared memory over the loopback unless the environment chooses.
+    # Left to itself on a host with GPUs or RDMA devices, UCX may pick a
+    # transport these reads never complete on.
+    if "UCX_TLS" not in os.environ:
+        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
 
 BLOCK_BYTES = 256 * 1024  # 8 blocks per 2 MiB page
 NUM_BLOCKS = 64  # 8 pages of virtual room
@@ -102,9 +106,28 @@ def test_registrations_follow_segments(pair):
     assert len(registry.registered_ranges) == 2
     assert registry.generation == generation + 2
 
+    # Which transfer rows a registration covers: one chunk must hold a row
+    # whole; a row across two adjacent chunks is covered by neither.
+    import numpy as np
+
+    page = 2 << 20
+    base = table.tensors[0].data_ptr()
+    rows = np.array(
+        [
+            (base + page, 4096, 0),  # page 1, mapped
+            (base + 3 * page - 4096, 4096, 0),  # end of page 2, mapped
+            (base + 2 * page - 2048, 4096, 0),  # across pages 1 and 2
+            (base, 4096, 0),  # page 0, unmapped
+        ],
+        dtype=np.uint64,
+    )
+    assert registry.unregistered(rows).tolist() == rows[2:].tolist()
+
 
 def test_reads_resolve_against_current_registrations(pair):
     from nixl._api import nixlBind
+
+    from vllm.v1.kv_vmm.backend import VmmError
 
     _, p_table, p_agent, _, _ = pair[0]
     _, d_table, d_agent, _, d_xfer = pair[1]
@@ -146,9 +169,15 @@ def test_reads_resolve_against_current_registrations(pair):
     assert refreshed == [remote]
     assert torch.all(_block(d_table, 3) == 77)
 
-    # Into a block of an unmapped local page: refused (a refresh of the peer
-    # cannot help), never written.
-    with pytest.raises(nixlBind.nixlNotFoundError):
+    # Out of a peer block its current registrations do not hold either (its
+    # page is not mapped): one refresh, then an error naming the peer memory.
+    with pytest.raises(VmmError, match="not in its current registrations"):
+        d_xfer.make_prepped_xfer("READ", local, [4], remote_descs, [40])
+    assert refreshed == [remote, remote]
+
+    # Into a block of an unmapped local page: refused without asking the peer
+    # (a refresh cannot help), naming the local memory; never written.
+    with pytest.raises(VmmError, match="1 local ones are not inside a registered"):
         d_xfer.make_prepped_xfer("READ", local, [8], remote_descs, [3])
     assert refreshed == [remote, remote]
     d_table.map_pages([1])

@@ -19,6 +19,13 @@ wrong bytes on some UCX versions (cuda_ipc exports only the first one). So:
   keeps the descriptors and resolves the ones a transfer uses when the
   transfer is created (``initialize_xfer``), against the registrations of
   that moment.
+
+A peer reading our memory (NixlConnector's pull mode) is covered by the
+lease on the request's blocks: they stay allocated, so their pages stay
+mapped and registered, until the reader reports the read done or the lease
+expires. A read after that finds no registration and fails (the reader's
+load-failure policy applies) instead of reading reused blocks, as it would
+with stock KV tensors.
 """
 
 import threading
@@ -141,6 +148,22 @@ class NixlSegmentRegistry:
     def untrack(self, handle: Any) -> None:
         with self._lock:
             self._in_flight.pop(handle, None)
+
+    def unregistered(self, rows: np.ndarray) -> np.ndarray:
+        """The ``(addr, len, dev)`` rows not inside one registered chunk."""
+        with self._lock:
+            ranges = sorted(r for rs in self._ranges.values() for r in rs)
+        if not ranges:
+            return rows
+        starts = np.array([va for va, _ in ranges], dtype=np.uint64)
+        ends = starts + np.array([n for _, n in ranges], dtype=np.uint64)
+        addrs = rows[:, 0].astype(np.uint64)
+        # The registration starting at or before each row's first byte.
+        idx = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+        covered = (idx >= 0) & (
+            addrs + rows[:, 1].astype(np.uint64) <= ends[np.maximum(idx, 0)]
+        )
+        return rows[~covered]
 
     def _touching(self, ranges: list[tuple[int, int]]) -> list[Any]:
         with self._lock:
@@ -271,16 +294,37 @@ class SegmentedXferAgent:
         try:
             handle = self._agent.initialize_xfer(*args)
         except Exception as e:
+            if type(e).__name__ != "nixlNotFoundError":
+                raise
+            unregistered = self.registry.unregistered(local_rows)
+            if len(unregistered):
+                raise VmmError(
+                    f"NIXL {operation} of {len(local_rows)} KV descriptors: "
+                    f"{len(unregistered)} local ones are not inside a registered "
+                    f"KV segment (first: address {int(unregistered[0, 0]):#x}, "
+                    f"{int(unregistered[0, 1])} bytes); registered: "
+                    f"{self.registry.registered_ranges}"
+                ) from e
             # The peer may have mapped (and registered) the segment after we
-            # took its metadata: fetch it again, once. Local memory that is
-            # not registered fails the same way again.
-            if not (
-                type(e).__name__ == "nixlNotFoundError"
-                and self.refresh_remote is not None
-                and self.refresh_remote(remote_xfer_side.agent_name)
+            # took its metadata: fetch it again, once.
+            if self.refresh_remote is None or not self.refresh_remote(
+                remote_xfer_side.agent_name
             ):
                 raise
-            handle = self._agent.initialize_xfer(*args)
+            try:
+                handle = self._agent.initialize_xfer(*args)
+            except Exception as e2:
+                rows = remote_rows[:, 0].astype(np.uint64)
+                raise VmmError(
+                    f"NIXL {operation} of {len(remote_rows)} KV descriptors: "
+                    f"memory of {remote_xfer_side.agent_name} between "
+                    f"{int(rows.min()):#x} and "
+                    f"{int((rows + remote_rows[:, 1]).max()):#x} is not in its "
+                    "current registrations, even after fetching them again "
+                    f"({type(e2).__name__}): it gave those pages back, so it no "
+                    "longer holds the blocks (e.g. its lease on them expired "
+                    "before this read; see the NixlConnector's kv_lease_duration)"
+                ) from e2
         self.registry.track(handle, local_rows)
         return handle
 
