@@ -4,6 +4,8 @@
 line and Prometheus metrics, from the :class:`KVPageStats` the scheduler
 attaches to its stats."""
 
+import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.kv_vmm.pages import KVPageStats
@@ -21,6 +23,22 @@ def kv_page_log_part(stats: KVPageStats) -> tuple[str, list[float]]:
             stats.pages_mapped_total,
             stats.pages_unmapped_total,
         ],
+    )
+
+
+def sum_kv_page_stats(
+    stats: Iterable[KVPageStats | None],
+) -> KVPageStats | None:
+    """The KV pages of several engines (data parallel) as one: every field
+    summed; None when no engine reports pages."""
+    reported = [s for s in stats if s is not None]
+    if not reported:
+        return None
+    return KVPageStats(
+        **{
+            f.name: sum(getattr(s, f.name) for s in reported)
+            for f in dataclasses.fields(KVPageStats)
+        }
     )
 
 

@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""KV page counters in the stats loggers: several data-parallel engines add up
+in the aggregated log line."""
+
+from tests.v1.kv_vmm.utils import requires_kv_page_stats
+from vllm.v1.kv_vmm.metrics import kv_page_log_part, sum_kv_page_stats
+from vllm.v1.kv_vmm.pages import KVPageStats
+
+
+def _stats(pages: int, limit: int = 10, mapped: int = 4, unmapped: int = 1):
+    return KVPageStats(
+        mapped_pages=pages,
+        page_limit=limit,
+        mapped_bytes=pages << 21,
+        pages_mapped_total=mapped,
+        pages_unmapped_total=unmapped,
+    )
+
+
+def test_sum_of_engines():
+    total = sum_kv_page_stats([_stats(3), None, _stats(5, limit=20, mapped=7)])
+    assert total == KVPageStats(
+        mapped_pages=8,
+        page_limit=30,
+        mapped_bytes=8 << 21,
+        pages_mapped_total=11,
+        pages_unmapped_total=2,
+    )
+    assert sum_kv_page_stats([None, None]) is None
+    assert sum_kv_page_stats([]) is None
+
+
+@requires_kv_page_stats
+def test_aggregated_logger_reports_every_engine():
+    from vllm.config import VllmConfig
+    from vllm.v1.metrics.loggers import AggregatedLoggingStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    stat_logger = AggregatedLoggingStatLogger(VllmConfig(), engine_indexes=[0, 1])
+    for engine_idx, pages in ((0, 3), (1, 5)):
+        stat_logger.record(
+            SchedulerStats(kv_page_stats=_stats(pages)), None, engine_idx=engine_idx
+        )
+    stat_logger.aggregate_scheduler_stats()
+    assert stat_logger.last_scheduler_stats.kv_page_stats == sum_kv_page_stats(
+        [_stats(3), _stats(5)]
+    )
+    fmt, args = kv_page_log_part(stat_logger.last_scheduler_stats.kv_page_stats)
+    assert fmt % tuple(args) == "KV pages mapped: 8/20 (0.02 GiB), +8/-2 since start"
