@@ -20,6 +20,7 @@ def make_pool(
     headroom: int = 1,
     max_pages: int | None = None,
     shrink: str = "idle",
+    shrink_delay_s: float = 0.0,
     enable_caching: bool = True,
 ) -> PagedBlockPool:
     policy = KVPagePolicy(
@@ -28,6 +29,7 @@ def make_pool(
         max_pages=max_pages if max_pages is not None else -(-num_blocks // BPP),
         headroom_pages=headroom,
         shrink=shrink,  # type: ignore[arg-type]
+        shrink_delay_s=shrink_delay_s,
     )
     return PagedBlockPool(
         num_gpu_blocks=num_blocks,
@@ -104,6 +106,112 @@ def test_idle_shrink_returns_to_headroom_and_evicts_cached_blocks():
     assert pool.get_num_free_blocks() == 31
     # Memory comes back when needed, lowest pages first.
     assert pages_of(pool.get_new_blocks(12)) == {0, 1, 2, 3}
+
+
+class FakeClock:
+    """Stands in for time.monotonic so that the grace period passes without
+    sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_delayed_pool(delay: float, **kwargs) -> tuple[PagedBlockPool, FakeClock]:
+    pool = make_pool(headroom=1, shrink_delay_s=delay, **kwargs)
+    clock = FakeClock()
+    pool.clock = clock
+    return pool, clock
+
+
+def burst(pool: PagedBlockPool, num_blocks: int = 20) -> None:
+    """Requests take blocks for a step and finish."""
+    blocks = pool.get_new_blocks(num_blocks)
+    pool.take_page_ops()
+    pool.free_blocks(blocks)
+
+
+def test_idle_shrink_waits_for_the_grace_period():
+    pool, clock = make_delayed_pool(10.0)
+    assert pool.page_step_due_in() is None  # nothing beyond the headroom
+    blocks = pool.get_new_blocks(20)
+    pool.take_page_ops()
+    assert pool.page_step_due_in() is None  # in use
+    pool.free_blocks(blocks)
+    assert not pool.wants_page_step()  # the idle clock starts here
+    assert pool.page_step_due_in() == 10.0
+    clock.now += 4.0
+    assert pool.page_step_due_in() == 6.0
+    assert not pool.wants_page_step()
+    assert pool.take_page_ops() is None
+    assert pool.num_mapped_pages == 7
+    clock.now += 6.0
+    assert pool.page_step_due_in() == 0.0
+    assert pool.wants_page_step()
+    ops = pool.take_page_ops()
+    assert ops is not None and sorted(ops.unmap) == [2, 3, 4, 5, 6] and not ops.map
+    assert pool.num_mapped_pages == 2
+    assert pool.page_step_due_in() is None
+    assert not pool.wants_page_step()
+
+
+def test_a_burst_within_the_grace_period_keeps_the_pages_and_restarts_it():
+    pool, clock = make_delayed_pool(10.0)
+    burst(pool)
+    assert pool.num_pages_mapped_total == 7
+    assert pool.page_step_due_in() == 10.0
+    clock.now += 9.0
+    burst(pool)  # the same blocks again: no page is mapped anew
+    assert pool.num_pages_mapped_total == 7
+    assert pool.num_pages_unmapped_total == 0
+    # The clock restarted when the pool was in use again.
+    assert pool.page_step_due_in() == 10.0
+    clock.now += 9.0
+    assert not pool.wants_page_step()
+    assert pool.take_page_ops() is None
+    clock.now += 1.0
+    assert pool.wants_page_step()
+    ops = pool.take_page_ops()
+    assert ops is not None and len(ops.unmap) == 5
+    assert pool.num_pages_unmapped_total == 5
+
+
+def test_zero_grace_period_shrinks_at_once():
+    pool, _ = make_delayed_pool(0.0)
+    blocks = pool.get_new_blocks(20)
+    pool.take_page_ops()
+    assert pool.page_step_due_in() is None
+    pool.free_blocks(blocks)
+    assert pool.page_step_due_in() == 0.0
+    assert pool.wants_page_step()
+    ops = pool.take_page_ops()
+    assert ops is not None and len(ops.unmap) == 5
+    assert pool.num_mapped_pages == 2
+
+
+def test_never_shrink_has_no_page_step_due():
+    pool, clock = make_delayed_pool(1.0, shrink="never")
+    burst(pool)
+    clock.now += 100.0
+    assert pool.page_step_due_in() is None
+    assert not pool.wants_page_step()
+
+
+def test_lowering_the_limit_is_not_delayed():
+    pool, _ = make_delayed_pool(10.0)
+    burst(pool)
+    assert pool.page_step_due_in() == 10.0
+    pool.set_max_pages(3)  # unmaps free pages at once
+    assert pool.num_mapped_pages == 3
+    assert pool.page_step_due_in() == 0.0  # the workers unmap at the next step
+    assert pool.wants_page_step()
+    ops = pool.take_page_ops()
+    assert ops is not None and sorted(ops.unmap) == [3, 4, 5, 6]
+    # The rest (one page beyond the headroom) still waits for the grace period.
+    assert pool.num_mapped_pages == 3
+    assert pool.page_step_due_in() == 10.0
 
 
 def test_never_shrink_keeps_pages():

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM's scheduler with VMM-backed KV memory: the page decisions travel in the
-step message, an empty step gives pages back, and the stats carry the counters."""
+step message, an empty step gives pages back once the grace period is over, and
+the stats carry the counters."""
 
 import json
 from pathlib import Path
@@ -68,11 +69,16 @@ def make_scheduler(model_dir: str, monkeypatch, policy: KVPagePolicy | None):
 
 def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     policy = KVPagePolicy(
-        granularity=2 << 20, blocks_per_page=BPP, max_pages=NUM_BLOCKS // BPP
+        granularity=2 << 20,
+        blocks_per_page=BPP,
+        max_pages=NUM_BLOCKS // BPP,
+        shrink_delay_s=5.0,
     )
     scheduler = make_scheduler(model_dir, monkeypatch, policy)
     pool = scheduler.kv_cache_manager.block_pool
     assert isinstance(pool, PagedBlockPool)
+    now = [100.0]
+    pool.clock = lambda: now[0]
     mapped = {0, 1}  # the null block's page and one headroom page
 
     # 4 requests of 100 tokens: 7 blocks each, more than the startup pages hold.
@@ -96,9 +102,20 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     assert stats is not None and stats.kv_page_stats is not None
     assert stats.kv_page_stats.mapped_pages == len(mapped)
 
+    assert scheduler.kv_page_step_due_in() is None  # blocks in use
+
     scheduler.finish_requests(
         [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
     )
+    # The finished requests are reported in one more step; the pages stay
+    # mapped for the grace period and the engine core learns when to wake up.
+    assert scheduler.has_requests()
+    output = scheduler.schedule()
+    assert output.kv_page_ops is None
+    assert not scheduler.has_requests()
+    assert scheduler.kv_page_step_due_in() == 5.0
+    now[0] += 5.0
+    assert scheduler.kv_page_step_due_in() == 0.0
     assert scheduler.has_requests()
     output = scheduler.schedule()
     assert output.total_num_scheduled_tokens == 0
@@ -107,6 +124,7 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     assert set(ops.unmap) == mapped - {0, 1}
     # Given back: no further step is needed.
     assert not scheduler.has_requests()
+    assert scheduler.kv_page_step_due_in() is None
     stats = scheduler.make_stats()
     assert stats is not None and stats.kv_page_stats is not None
     assert stats.kv_page_stats.mapped_pages == 2

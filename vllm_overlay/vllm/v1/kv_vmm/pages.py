@@ -41,6 +41,9 @@ class KVPagePolicy:
     headroom_pages: int = 1
     """Free mapped pages the scheduler keeps ahead of demand."""
     shrink: KVPageShrinkPolicy = "idle"
+    shrink_delay_s: float = 10.0
+    """With shrink "idle": seconds the pool must stay idle before free pages
+    beyond the headroom are given back (0 = at once)."""
     page_bytes: int = 0
     """Physical bytes one page takes, summed over the engine's ranks (for
     the mapped-bytes metric; 0 when unknown)."""
@@ -246,6 +249,7 @@ def make_kv_page_policy(
         max_pages=max_pages,
         headroom_pages=cache_config.kv_cache_vmm_headroom_pages,
         shrink=cache_config.kv_cache_vmm_shrink,
+        shrink_delay_s=cache_config.kv_cache_vmm_shrink_delay,
         page_bytes=page_bytes,
     )
 

@@ -10,7 +10,8 @@ decisions are queued as :class:`KVPageOps` and sent to every rank in the
 step message.
 """
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
@@ -44,6 +45,11 @@ class PagedBlockPool(BlockPool):
         self._pending = KVPageOps()
         self._checking_idle = False
         self.num_pages_unmapped_total = 0
+        # Idle shrink waits policy.shrink_delay_s from the moment the pool
+        # was first seen idle, so back-to-back bursts reuse their pages
+        # instead of mapping them again on their critical path.
+        self.clock: Callable[[], float] = time.monotonic
+        self._idle_since: float | None = None
         # Rebuild the free queue from the initially mapped pages only; the
         # null block (block 0) was popped by the base class and its page is
         # one of them, mapped on every rank at startup.
@@ -169,9 +175,10 @@ class PagedBlockPool(BlockPool):
         """Page changes for this step's message, after the headroom and the
         limit are enforced."""
         policy = self.policy
+        shrink_due_in = self._idle_shrink_due_in()
         if len(self._mapped) > policy.max_pages:
             self._shrink_to_limit()
-        elif self.idle and policy.shrink == "idle":
+        elif shrink_due_in == 0.0:
             # Keep the lowest free pages as headroom: pages stay compact.
             free = self._free_pages()
             self._unmap(free[: max(len(free) - policy.headroom_pages, 0)])
@@ -196,11 +203,32 @@ class PagedBlockPool(BlockPool):
         (e.g. shrink after the last request finished)."""
         if self._pending or len(self._mapped) > self.policy.max_pages:
             return True
-        return (
-            self.idle
-            and self.policy.shrink == "idle"
-            and len(self._free_pages()) > self.policy.headroom_pages
-        )
+        return self._idle_shrink_due_in() == 0.0
+
+    def page_step_due_in(self) -> float | None:
+        """Seconds until an idle shrink is due (0.0 if it is due now), or
+        None if none is pending: the engine may sleep that long without
+        missing the step that gives pages back."""
+        if self._pending or len(self._mapped) > self.policy.max_pages:
+            return 0.0
+        return self._idle_shrink_due_in()
+
+    def _idle_shrink_due_in(self) -> float | None:
+        """Seconds until free pages beyond the headroom are given back (0.0
+        if now), None if the pool is in use, never shrinks when idle, or
+        has nothing beyond the headroom. Starts and resets the idle clock."""
+        if not self.idle:
+            self._idle_since = None
+            return None
+        now = self.clock()
+        if self._idle_since is None:
+            self._idle_since = now
+        if (
+            self.policy.shrink != "idle"
+            or len(self._free_pages()) <= self.policy.headroom_pages
+        ):
+            return None
+        return max(self.policy.shrink_delay_s - (now - self._idle_since), 0.0)
 
     def _shrink_to_limit(self) -> None:
         # Give back free pages, cached prefix blocks on them included; pages
