@@ -4,9 +4,10 @@
 """Where VMM-backed KV loses decode throughput: page mapping or page access.
 
 One engine per configuration, in this order: stock, VMM with ``--kv-cache-vmm-shrink
-idle`` (pages given back whenever the engine is idle, so every burst maps them again),
-VMM with ``never`` (the first burst maps, later bursts find the pages mapped), stock
-again. Each engine runs the same decode burst three times after a short warm-up and
+idle --kv-cache-vmm-shrink-delay 0`` (pages given back whenever the engine is idle, so
+every burst maps them again), VMM with ``idle`` and the default shrink delay (bursts
+closer together than the delay keep their pages), VMM with ``never`` (the first burst
+maps, later bursts find the pages mapped), stock again. Each engine runs the same decode burst three times after a short warm-up and
 prints tokens/s per burst and, for VMM, the workers' page counters (pages mapped,
 seconds spent mapping). Bursts 2-3 of ``never`` against stock isolate the access
 speed of VMM memory; ``idle`` against stock adds the map cost of every burst.
@@ -24,7 +25,9 @@ import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the stats RPC below
 
-CONFIGS = [("default", None), ("vmm", "idle"), ("vmm", "never"), ("default", None)]
+# (memory backend, --kv-cache-vmm-shrink, --kv-cache-vmm-shrink-delay); None: the default.
+CONFIGS = [("default", None, None), ("vmm", "idle", 0.0), ("vmm", "idle", None),
+           ("vmm", "never", None), ("default", None, None)]
 
 
 def _page_stats(worker) -> dict | None:
@@ -32,8 +35,8 @@ def _page_stats(worker) -> dict | None:
     return mapper.stats() if mapper is not None else None
 
 
-def run(model: str, backend: str, shrink: str | None, num: int, input_len: int,
-        output_len: int) -> dict:
+def run(model: str, backend: str, shrink: str | None, delay: float | None, num: int,
+        input_len: int, output_len: int) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=model, load_format="dummy", skip_tokenizer_init=True,
@@ -43,6 +46,8 @@ def run(model: str, backend: str, shrink: str | None, num: int, input_len: int,
                   kv_cache_memory_backend=backend)
     if shrink:
         kwargs["kv_cache_vmm_shrink"] = shrink
+    if delay is not None:
+        kwargs["kv_cache_vmm_shrink_delay"] = delay
     start = time.monotonic()
     llm = LLM(**kwargs)
     startup = time.monotonic() - start
@@ -57,7 +62,8 @@ def run(model: str, backend: str, shrink: str | None, num: int, input_len: int,
         outs = llm.generate(prompts, params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs)
                      / (time.perf_counter() - t))
-    result = {"backend": backend, "shrink": shrink, "startup_s": startup,
+    result = {"backend": backend, "shrink": shrink, "shrink_delay_s": delay,
+              "startup_s": startup,
               "tokens_per_s": rates, "page_stats": llm.collective_rpc(_page_stats)}
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -74,8 +80,8 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     results = []
-    for backend, shrink in CONFIGS:
-        r = run(args.model, backend, shrink, args.num, args.input, args.output)
+    for backend, shrink, delay in CONFIGS:
+        r = run(args.model, backend, shrink, delay, args.num, args.input, args.output)
         print(json.dumps(r), flush=True)
         results.append(r)
     if args.json:

@@ -113,6 +113,10 @@ def main() -> None:
         disable_log_stats=False,
         **json.loads(args.extra),
     )
+    if args.backend == "vmm":
+        # Pages go back as soon as a wave is done, so the next wave maps (and the prefill
+        # registers) segments the other instance has not seen.
+        kwargs.setdefault("kv_cache_vmm_shrink_delay", 0)
     if args.role != "single":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NixlConnector",

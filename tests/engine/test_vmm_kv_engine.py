@@ -67,8 +67,9 @@ def _run(model: Path, backend: str, page_limit: int | None = None,
 
 
 def _wait_idle_stats(llm) -> list[dict]:
-    """Worker stats once the engine has applied the idle shrink (one empty step after the
-    last request finished; it runs in the engine process, asynchronously to the caller)."""
+    """Worker stats once the engine has applied the idle shrink (one empty step once the
+    engine has been idle for the shrink delay; it runs in the engine process, asynchronously
+    to the caller)."""
     import time
 
     deadline = time.monotonic() + 20
@@ -90,7 +91,8 @@ def kv_model(tmp_path_factory) -> Path:
 
 def test_vmm_token_ids_match_default_memory_follows_load_and_limit(kv_model):
     ref_ids, ref_stats = _run(kv_model, "default")
-    ids, stats = _run(kv_model, "vmm", page_limit=2, kv_cache_vmm_headroom_pages=1)
+    ids, stats = _run(kv_model, "vmm", page_limit=2, kv_cache_vmm_headroom_pages=1,
+                      kv_cache_vmm_shrink_delay=0)
     assert all(len(x) == MAX_TOKENS for x in ids)
     # The first batch runs again (same ids) under a 2-page (31-block) limit, where its 8
     # requests (40 blocks) cannot all run at once.
@@ -131,7 +133,8 @@ def test_vmm_tensor_parallel_2(kv_model, monkeypatch):
         llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
                   enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
                   kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2,
-                  kv_cache_memory_backend=backend)
+                  kv_cache_memory_backend=backend,
+                  **({"kv_cache_vmm_shrink_delay": 0} if backend == "vmm" else {}))
         try:
             ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
             results[backend] = ids, _wait_idle_stats(llm)
@@ -164,7 +167,7 @@ def test_vmm_metrics_follow_load(kv_model):
               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
               kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1,
-              disable_log_stats=False)
+              kv_cache_vmm_shrink_delay=0, disable_log_stats=False)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
         small = [{"prompt_token_ids": [(5 * j) % 4000 + 1 for j in range(20)]}]
@@ -196,6 +199,53 @@ def test_vmm_metrics_follow_load(kv_model):
         # The scheduler's account is the workers' memory (one rank here).
         assert after["vllm:kv_cache_mapped_bytes"] == (
             llm.collective_rpc(_worker_stats)[0]["kv_mapped_bytes"])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
+    """--kv-cache-vmm-shrink-delay: a burst right after another (within the delay) maps no
+    new page, and once the engine has stayed idle for the delay it gives the pages back by
+    itself. The last read is the only request after the bursts: the engine answers it before
+    any step it could trigger, so the pages were given back by a step the engine woke up for
+    on its own."""
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    delay = 2.0
+    llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+              kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
+              kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1,
+              kv_cache_vmm_shrink_delay=delay)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+        start = llm.collective_rpc(_worker_stats)[0]
+        # Two bursts of the same shape (8 x 600 tokens: 40 blocks, more than the 31 of the
+        # startup pages) with different tokens, so the second reuses no cached block.
+        first = _prompts()[0]
+        second = [[(11 * i + 5 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
+        llm.generate([{"prompt_token_ids": p} for p in first], params)
+        after_first = llm.collective_rpc(_worker_stats)[0]
+        llm.generate([{"prompt_token_ids": p} for p in second], params)
+        done = time.monotonic()
+        after_second = llm.collective_rpc(_worker_stats)[0]
+        assert after_first["kv_pages_mapped_total"] > start["kv_pages_mapped_total"]
+        assert after_first["kv_mapped_bytes"] > start["kv_mapped_bytes"]
+        # Within the delay: the pages of the first burst served the second one.
+        assert after_second["kv_pages_mapped_total"] == after_first["kv_pages_mapped_total"]
+        assert after_second["kv_pages_unmapped_total"] == 0
+        assert after_second["kv_mapped_bytes"] == after_first["kv_mapped_bytes"]
+
+        time.sleep(delay + 3.0)
+        idle = llm.collective_rpc(_worker_stats)[0]
+        assert time.monotonic() - done >= delay
+        assert idle["kv_pages_unmapped_total"] > 0
+        # Back to the startup mapping: the null block's page and one headroom page.
+        assert idle["kv_mapped_bytes"] == start["kv_mapped_bytes"]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
