@@ -17,8 +17,7 @@ from vllm.v1.request import RequestStatus
 
 from tests.v1.kv_vmm.utils import requires_kv_page_stats, requires_vmm_kv_wiring
 
-# The tests read the page counters from the scheduler stats (the metrics patch).
-pytestmark = [requires_vmm_kv_wiring, requires_kv_page_stats]
+pytestmark = requires_vmm_kv_wiring
 
 # vLLM's own scheduler test helpers (absent where only this directory's tests are
 # laid over an installed vLLM).
@@ -67,6 +66,8 @@ def make_scheduler(model_dir: str, monkeypatch, policy: KVPagePolicy | None):
     )
 
 
+# Reads the page counters from the scheduler stats (the metrics patch).
+@requires_kv_page_stats
 def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     policy = KVPagePolicy(
         granularity=2 << 20,
@@ -131,6 +132,45 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     assert stats.kv_page_stats.pages_unmapped_total == len(mapped) - 2
 
 
+def test_idle_scheduler_says_when_the_shrink_step_is_due(model_dir, monkeypatch):
+    """What the engine core's idle wait is bounded by: the time left of the shrink delay,
+    then a step (has_requests) that gives the pages back; nothing once given back."""
+    policy = KVPagePolicy(
+        granularity=2 << 20,
+        blocks_per_page=BPP,
+        max_pages=NUM_BLOCKS // BPP,
+        shrink_delay_s=3.0,
+    )
+    scheduler = make_scheduler(model_dir, monkeypatch, policy)
+    pool = scheduler.kv_cache_manager.block_pool
+    now = [50.0]
+    pool.clock = lambda: now[0]
+    assert scheduler.kv_page_step_due_in() is None  # only the startup pages
+    requests = create_requests(num_requests=4, num_tokens=100, block_size=16)
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.schedule()
+    assert scheduler.kv_page_step_due_in() is None  # blocks in use
+    scheduler.finish_requests(
+        [r.request_id for r in requests], RequestStatus.FINISHED_ABORTED
+    )
+    scheduler.schedule()
+    assert not scheduler.has_requests()
+    assert scheduler.kv_page_step_due_in() == 3.0
+    now[0] += 1.0
+    assert scheduler.kv_page_step_due_in() == 2.0
+    assert not scheduler.has_requests()
+    now[0] += 2.0
+    assert scheduler.kv_page_step_due_in() == 0.0
+    assert scheduler.has_requests()
+    ops = scheduler.schedule().kv_page_ops
+    assert ops is not None and ops.unmap and not ops.map
+    assert pool.num_mapped_pages == 2
+    assert scheduler.kv_page_step_due_in() is None
+    assert not scheduler.has_requests()
+
+
+@requires_kv_page_stats
 def test_default_memory_backend_is_unchanged(model_dir, monkeypatch):
     scheduler = make_scheduler(model_dir, monkeypatch, policy=None)
     assert type(scheduler.kv_cache_manager.block_pool) is BlockPool
