@@ -200,7 +200,7 @@ class PagedBlockPool(BlockPool):
 
     def wants_page_step(self) -> bool:
         """Whether an otherwise empty step should run to apply page changes
-        (e.g. shrink after the last request finished)."""
+        (e.g. shrink once the pool has been idle for the shrink delay)."""
         if self._pending or len(self._mapped) > self.policy.max_pages:
             return True
         return self._idle_shrink_due_in() == 0.0
