@@ -186,6 +186,30 @@ def test_reads_resolve_against_current_registrations(pair):
     d_xfer.remove_remote_agent(remote)
 
 
+def test_strided_descriptors_expand_to_the_units_indices_count():
+    """NIXL 1.5's strided (Nx5) descriptor lists, as NixlConnector prepares
+    them from vLLM 0.33 on, resolve to one row per block in index order."""
+    import numpy as np
+
+    from vllm.v1.kv_vmm.nixl_segments import flat_desc_rows
+
+    strided = np.array(
+        [[0x1000, 64, 3, 256, 3], [0x9000, 32, 3, 32, 1], [0xA000, 16, 0, 48, 2]],
+        dtype=np.uint64,
+    )
+    assert flat_desc_rows(strided).tolist() == [
+        [0x1000, 64, 3],
+        [0x1100, 64, 3],
+        [0x1200, 64, 3],
+        [0x9000, 32, 3],
+        [0xA000, 16, 0],
+        [0xA030, 16, 0],
+    ]
+    # The (addr, len, dev) form is kept as it is.
+    flat = [(0x1000, 64, 3), (0x2000, 64, 3)]
+    assert flat_desc_rows(flat).tolist() == [list(r) for r in flat]
+
+
 def test_unmap_waits_for_transfers_that_touch_the_segment(monkeypatch):
     from vllm.v1.kv_vmm import VmmError
 

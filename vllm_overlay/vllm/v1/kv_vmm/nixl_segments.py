@@ -207,6 +207,29 @@ class NixlSegmentRegistry:
             self.agent.deregister_memory(descs, backends=self.backends)
 
 
+def flat_desc_rows(descs: Any) -> np.ndarray:
+    """Transfer descriptors as ``(addr, len, dev)`` rows, one per unit a
+    transfer's indices count.
+
+    NIXL's strided form (``(addr, len, dev, stride, count)`` rows, NIXL 1.5)
+    names ``count`` units ``stride`` bytes apart; indices into a prepared
+    strided list count those units, so they are expanded in order.
+    """
+    rows = np.asarray(descs, dtype=np.uint64)
+    if rows.ndim != 2 or rows.shape[1] != 5:
+        return rows.reshape(-1, 3)
+    counts = rows[:, 4].astype(np.int64)
+    unit = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    addrs = np.repeat(rows[:, 0], counts) + unit.astype(np.uint64) * np.repeat(
+        rows[:, 3], counts
+    )
+    return np.stack(
+        [addrs, np.repeat(rows[:, 1], counts), np.repeat(rows[:, 2], counts)], axis=1
+    )
+
+
 class _Descs:
     """Transfer descriptors kept as ``(addr, len, dev)`` rows."""
 
@@ -252,8 +275,7 @@ class SegmentedXferAgent:
         return getattr(self._agent, name)
 
     def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> _Descs:
-        rows = np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
-        return _Descs(rows, mem_type)
+        return _Descs(flat_desc_rows(descs), mem_type)
 
     def prep_xfer_dlist(
         self,
