@@ -238,17 +238,22 @@ def run_single(model: Path, workdir: Path, prompts: list[list[int]], env: dict[s
 
 
 def check_disaggregated(reference: list[list[int]], prefill: dict, decode: dict,
-                        max_tokens: int, min_nixl_bytes: int) -> None:
+                        max_tokens: int, min_nixl_bytes: int,
+                        nixl_metrics_complete: bool = True) -> None:
     """A prefill/decode pair answered like one instance and moved the prompts' KV through
     NIXL: at least `min_nixl_bytes` (K and V of every layer for every full block of every
-    prompt), with no failed transfer."""
+    prompt), with no failed transfer. Where the release's NIXL metrics trail the transfers
+    (`nixl_metrics_complete=False`), only that NIXL moved bytes."""
     assert all(len(ids) == max_tokens for ids in reference)
     # The prefill instance's one token is the first token of the full generation.
     assert [ids[:1] for ids in prefill["token_ids"]] == [ids[:1] for ids in reference]
     assert decode["token_ids"] == reference
     nixl = decode["nixl"][-1]
     assert nixl.get("vllm:nixl_num_failed_transfers", 0) == 0
-    assert nixl["vllm:nixl_bytes_transferred:sum"] >= min_nixl_bytes
+    moved = nixl["vllm:nixl_bytes_transferred:sum"]
+    assert moved >= (min_nixl_bytes if nixl_metrics_complete else 1), (
+        f"NIXL moved {moved:.0f} bytes, expected at least {min_nixl_bytes}; "
+        f"metrics after each wave: {decode['nixl']}")
 
 
 def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]], backend: str,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,11 @@ def test_vmm_tensor_parallel_2_on_gpu(gpu_model: Path, executor: str):
         pytest.skip("needs 2 GPUs")
     if executor == "ray" and importlib.util.find_spec("ray") is None:
         pytest.skip("needs ray")
+    if executor == "ray":
+        # Ray's workers cannot import this test module: send _worker_stats by value.
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ref, _ = _generate(gpu_model, "default", tensor_parallel_size=2,
                        distributed_executor_backend=executor)
     ids, stats = _generate(gpu_model, "vmm", tensor_parallel_size=2,
