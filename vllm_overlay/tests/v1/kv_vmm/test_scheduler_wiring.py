@@ -66,20 +66,26 @@ def make_scheduler(model_dir: str, monkeypatch, policy: KVPagePolicy | None):
     )
 
 
-# Reads the page counters from the scheduler stats (the metrics patch).
-@requires_kv_page_stats
-def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
+def _paged_scheduler(model_dir, monkeypatch, shrink_delay_s: float, start: float):
+    """A scheduler over a PagedBlockPool whose clock the test moves (``now[0]``)."""
     policy = KVPagePolicy(
         granularity=2 << 20,
         blocks_per_page=BPP,
         max_pages=NUM_BLOCKS // BPP,
-        shrink_delay_s=5.0,
+        shrink_delay_s=shrink_delay_s,
     )
     scheduler = make_scheduler(model_dir, monkeypatch, policy)
     pool = scheduler.kv_cache_manager.block_pool
     assert isinstance(pool, PagedBlockPool)
-    now = [100.0]
+    now = [start]
     pool.clock = lambda: now[0]
+    return scheduler, pool, now
+
+
+# Reads the page counters from the scheduler stats (the metrics patch).
+@requires_kv_page_stats
+def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
+    scheduler, pool, now = _paged_scheduler(model_dir, monkeypatch, 5.0, 100.0)
     mapped = {0, 1}  # the null block's page and one headroom page
 
     # 4 requests of 100 tokens: 7 blocks each, more than the startup pages hold.
@@ -133,18 +139,10 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
 
 
 def test_idle_scheduler_says_when_the_shrink_step_is_due(model_dir, monkeypatch):
-    """What the engine core's idle wait is bounded by: the time left of the shrink delay,
-    then a step (has_requests) that gives the pages back; nothing once given back."""
-    policy = KVPagePolicy(
-        granularity=2 << 20,
-        blocks_per_page=BPP,
-        max_pages=NUM_BLOCKS // BPP,
-        shrink_delay_s=3.0,
-    )
-    scheduler = make_scheduler(model_dir, monkeypatch, policy)
-    pool = scheduler.kv_cache_manager.block_pool
-    now = [50.0]
-    pool.clock = lambda: now[0]
+    """What the engine core's idle wait is bounded by: the time left of the shrink
+    delay, then a step (has_requests) that gives the pages back; nothing once given
+    back."""
+    scheduler, pool, now = _paged_scheduler(model_dir, monkeypatch, 3.0, 50.0)
     assert scheduler.kv_page_step_due_in() is None  # only the startup pages
     requests = create_requests(num_requests=4, num_tokens=100, block_size=16)
     for request in requests:
