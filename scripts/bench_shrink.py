@@ -7,10 +7,11 @@ One engine per configuration, in this order: stock, VMM with ``--kv-cache-vmm-sh
 idle --kv-cache-vmm-shrink-delay 0`` (pages given back whenever the engine is idle, so
 every burst maps them again), VMM with ``idle`` and the default shrink delay (bursts
 closer together than the delay keep their pages), VMM with ``never`` (the first burst
-maps, later bursts find the pages mapped), stock again. Each engine runs the same decode burst three times after a short warm-up and
-prints tokens/s per burst and, for VMM, the workers' page counters (pages mapped,
-seconds spent mapping). Bursts 2-3 of ``never`` against stock isolate the access
-speed of VMM memory; ``idle`` against stock adds the map cost of every burst.
+maps, later bursts find the pages mapped), stock again. Each engine runs the same
+decode burst three times after a short warm-up and prints tokens/s per burst and, for
+VMM, the workers' page counters (pages mapped, seconds spent mapping). Bursts 2-3 of
+``never`` against stock isolate the access speed of VMM memory; ``idle`` against stock
+adds the map cost of every burst.
 
     python scripts/bench_shrink.py <model dir with config.json> [--json out.json]
 

@@ -9,6 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+# nixl_pd_node: the prefill/decode driver the CPU and the GPU P/D tests share.
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 
 @pytest.fixture

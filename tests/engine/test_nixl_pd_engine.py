@@ -13,7 +13,6 @@ externally computed).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -24,16 +23,8 @@ pytestmark = pytest.mark.engine
 
 nixl = pytest.importorskip("nixl", reason="NixlConnector needs the nixl package")
 
+import nixl_pd_node as node  # noqa: E402
 
-def _load_node():
-    spec = importlib.util.spec_from_file_location(
-        "nixl_pd_node", Path(__file__).with_name("nixl_pd_node.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-node = _load_node()
 MAX_TOKENS = 6
 TIMEOUT = 600
 NODE_ARGS = ["--max-tokens", str(MAX_TOKENS)]

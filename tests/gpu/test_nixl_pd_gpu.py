@@ -10,7 +10,7 @@ memory); only the environment differs: one GPU per instance, kv_buffer_device "c
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 from pathlib import Path
@@ -25,14 +25,6 @@ NODE_ARGS = ["--max-tokens", str(MAX_TOKENS), "--kv-buffer-device", "cuda"]
 # FlashAttention's block size on CUDA.
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 4
-
-
-def _load_node():
-    path = Path(__file__).resolve().parents[1] / "engine" / "nixl_pd_node.py"
-    spec = importlib.util.spec_from_file_location("nixl_pd_node", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _gpu_count() -> int:
@@ -66,7 +58,7 @@ def node():
     if _gpu_count() < 2:
         pytest.skip("needs 2 GPUs (a prefill and a decode instance)")
     pytest.importorskip("nixl", reason="NixlConnector needs the nixl package")
-    return _load_node()
+    return importlib.import_module("nixl_pd_node")
 
 
 @pytest.fixture(scope="module")
@@ -92,20 +84,21 @@ def _block_kv_bytes(model: Path) -> int:
             * head_dim * 2)  # bfloat16
 
 
-def _check(reference: list[list[int]], prefill: dict, decode: dict, model: Path) -> None:
+def _check(node, reference: list[list[int]], prefill: dict, decode: dict,
+           model: Path) -> None:
     full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
     # vLLM 0.21.0's Prometheus NIXL metrics trail the transfers (on two H200s they showed
     # 16.4 MB of the 36.9 MB two waves move, and nothing after the first wave): the full
     # byte count is checked by the CPU test (0.32.0); here only that NIXL moved bytes.
-    _load_node().check_disaggregated(reference, prefill, decode, MAX_TOKENS,
-                                     full_blocks * _block_kv_bytes(model),
-                                     nixl_metrics_complete=False)
+    node.check_disaggregated(reference, prefill, decode, MAX_TOKENS,
+                             full_blocks * _block_kv_bytes(model),
+                             nixl_metrics_complete=False)
 
 
 def test_disaggregated_stock_kv_on_two_gpus(node, pd_model, reference, tmp_path):
     prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(), "default",
                                              _env, NODE_ARGS, timeout=TIMEOUT)
-    _check(reference, prefill, decode, pd_model)
+    _check(node, reference, prefill, decode, pd_model)
 
 
 def test_disaggregated_vmm_kv_on_two_gpus(node, pd_model, reference, tmp_path):
@@ -115,7 +108,7 @@ def test_disaggregated_vmm_kv_on_two_gpus(node, pd_model, reference, tmp_path):
         pytest.skip("this vLLM tree does not carry the VMM-backed KV cache patch")
     prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(), "vmm",
                                              _env, NODE_ARGS, timeout=TIMEOUT)
-    _check(reference, prefill, decode, pd_model)
+    _check(node, reference, prefill, decode, pd_model)
     # The prefill instance mapped pages while prefilling the second wave: the requests
     # it finished then tell the decode instance that its registrations changed.
     second = json.loads((tmp_path / "params1.json").read_text())

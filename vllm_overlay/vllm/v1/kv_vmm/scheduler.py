@@ -201,9 +201,7 @@ class PagedBlockPool(BlockPool):
     def wants_page_step(self) -> bool:
         """Whether an otherwise empty step should run to apply page changes
         (e.g. shrink once the pool has been idle for the shrink delay)."""
-        if self._pending or len(self._mapped) > self.policy.max_pages:
-            return True
-        return self._idle_shrink_due_in() == 0.0
+        return self.page_step_due_in() == 0.0
 
     def page_step_due_in(self) -> float | None:
         """Seconds until an idle shrink is due (0.0 if it is due now), or
