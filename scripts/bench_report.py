@@ -7,7 +7,7 @@
   python scripts/bench_report.py build/bench/results.json --doc docs/BENCHMARKS.md
 
 Several results.json files (e.g. from a one-GPU and a two-GPU host) are merged, later ones
-winning per item (per model for items 1 and 2). With --doc, the merged results.json and the
+winning per item (per model for items 1 and 2) where they measured it. With --doc, the merged results.json and the
 timeline PNG are written to docs/bench/e2e/ and the section between the markers below in
 the doc is replaced by the tables, so the doc is written from measured data only. The rest
 of the doc (e.g. the page-map sections) stays.
@@ -103,6 +103,8 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                     row(item, what, *_ab(s), *_verdict(item, s["ratio"], run), run=run)
                 if m.get("note"):
                     details.append(f"- {title}, {model}: {m['note']}.")
+            if data.get("vmm_args"):
+                details.append(f"- {title}: VMM side with `{json.dumps(data['vmm_args'])}`.")
         elif item == "elasticity":
             for i, b in enumerate(data["bursts"]):
                 row(item, f"burst {i + 1}: {b['requests']} x {b['input']} in / {b['output']} "
@@ -150,9 +152,10 @@ def render_results(results: dict, png_prefix: str = "") -> str:
     for i, run in enumerate(runs, 1):
         gpu = run.get("gpu") or "no GPU (CPU)"
         driver = f", driver {run['driver']}" if run.get("driver") else ""
+        suite = f", whole run {run['suite_s'] / 60:.1f} min" if run.get("suite_s") else ""
         out.append(f"{i}. {run['date']}: {gpu}{driver}, vLLM {run['vllm']}, torch "
                    f"{run['torch']}, Python {run['python']}, {run['cpu_count']} CPUs; "
-                   f"`{run['command']}`")
+                   f"`{run['command']}`{suite}")
     return "\n".join(out) + "\n"
 
 
@@ -174,7 +177,10 @@ def render_doc_section(results: dict, rel: str, pending: bool = False) -> str:
 
 
 def merge_item(old: dict, new: dict) -> dict:
-    """A later run of an item replaces it; per-model items keep the models it did not run."""
+    """A later run of an item replaces it, unless it did not measure what an earlier run did
+    (a one-GPU run after a two-GPU one); per-model items keep the models it did not run."""
+    if "not_measured" in new and old and "not_measured" not in old:
+        return old
     if "models" in new and "models" in old:
         return {**new, "models": {**old["models"], **new["models"]}}
     return new

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 
 
+VMM_ARGS = {"kv_cache_vmm_headroom_pages": 1}
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
@@ -27,7 +30,10 @@ def _finite(x) -> bool:
 def test_bench_quick_cpu(tmp_path: Path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-                           "--device", "cpu", "--out", str(out)],
+                           "--device", "cpu", "--out", str(out),
+                           # The default headroom, given explicitly: the VMM side's own
+                           # engine arguments reach its engines and the results.
+                           "--vmm-args", json.dumps(VMM_ARGS)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -38,10 +44,12 @@ def test_bench_quick_cpu(tmp_path: Path):
     for name in ("throughput", "startup", "elasticity", "pagemap"):
         assert "not_measured" not in items[name], (name, items[name])
     model = items["throughput"]["models"]["tiny-llama"]
-    for workload in ("prefill", "decode"):
+    # Each workload ran twice per engine, the second time with its KV memory mapped.
+    for workload in ("prefill", "decode", "prefill, 2nd run", "decode, 2nd run"):
         s = model[workload]
         assert s["n"] == 1 and _finite(s["a_median"]) and _finite(s["b_median"])
         assert s["ratio"] == pytest.approx(s["b_median"] / s["a_median"])
+    assert items["throughput"]["vmm_args"] == VMM_ARGS
     # The VMM side really ran with mapped pages.
     assert model["vmm_page_stats"][0]["kv_pages_mapped_total"] >= 2
     assert _finite(items["startup"]["models"]["tiny-llama"]["startup_s"]["ratio"])
@@ -64,9 +72,14 @@ def test_bench_quick_cpu(tmp_path: Path):
     assert _finite(pm["ratios"]["map per page / raw map"]["median"])
     for name in ("pd", "tp2-startup"):
         assert "needs 2 GPUs" in items[name]["not_measured"]
+        assert f"{name}: not measured: needs 2 GPUs" in proc.stdout
+    # The whole run's wall time is kept with every item it measured.
+    assert _finite(items["pagemap"]["run"]["suite_s"])
 
     md = (out / "results.md").read_text()
     assert "not measured: needs 2 GPUs" in md and "| 3 | burst 1" in md
+    assert "prefill, 2nd run (8 x 128 in / 2 out)" in md and "whole run" in md
+    assert '`{"kv_cache_vmm_headroom_pages": 1}`' in md
 
     # The doc generator replaces only its own section and keeps the rest of the doc.
     doc = tmp_path / "docs" / "BENCHMARKS.md"

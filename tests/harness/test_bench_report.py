@@ -56,6 +56,12 @@ def test_merge_keeps_models_and_items_of_other_runs(tmp_path: Path):
     (tmp_path / "b" / "results.json").write_text(json.dumps(two))
     merged, _ = merge_results([tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"])
     assert set(merged["items"]["throughput"]["models"]) == {"Qwen3-8B", "Llama-3.1-8B-Instruct"}
+    # A later run that could not measure an item keeps the earlier figure.
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "results.json").write_text(json.dumps({"items": {"tp2-startup": {
+        "run": RUN1, "not_measured": "needs 2 GPUs, this host has 1"}}}))
+    again, _ = merge_results([tmp_path / d / "results.json" for d in "abc"])
+    assert again["items"]["tp2-startup"] == merged["items"]["tp2-startup"]
     md = render_results(merged)
     assert "| 0.980 [0.980..0.980], n=1 | >= 0.99 | FAIL | 1 |" in md
     assert "| 1.000 [1.000..1.000], n=1 | >= 0.99 | pass | 2 |" in md

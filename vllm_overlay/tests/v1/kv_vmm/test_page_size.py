@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How many blocks a KV page holds: --kv-cache-vmm-page-bytes when given,
+otherwise (on CUDA) enough for physical allocations of 16 MiB per tensor
+region while the KV cache keeps at least 16 pages."""
+
+import pytest
+
+from vllm.config import CacheConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.kv_vmm import KVPageGeometry, KVTensorLayout
+from vllm.v1.kv_vmm.pages import (
+    KV_PAGE_MIN_CHUNK_BYTES,
+    KV_PAGE_MIN_COUNT,
+    kv_page_multiple,
+)
+
+MiB = 1 << 20
+
+# 36 layers split K/V, 64 KiB per block: a 2 MiB granule holds 32 blocks per
+# region, so the smallest page is 32 blocks = 72 allocations of 2 MiB.
+LAYERS = [KVTensorLayout(block_bytes=64 * 1024, num_regions=2)] * 36
+UNIT = KVPageGeometry(LAYERS, num_blocks=32, granularity=2 * MiB)
+
+
+def vmm(**kwargs) -> CacheConfig:
+    return CacheConfig(kv_cache_memory_backend="vmm", **kwargs)
+
+
+def test_unit_pages_without_a_chunk_floor():
+    assert UNIT.page_bytes == 144 * MiB
+    assert kv_page_multiple(vmm(), [UNIT], 1000, min_chunk_bytes=0) == 1
+
+
+@pytest.mark.parametrize(
+    "region_block_bytes, multiple",
+    [(64 * 1024, 8), (128 * 1024, 8), (96 * 1024, 3), (12 * MiB, 2), (16 * MiB, 1)],
+)
+def test_chunk_floor(region_block_bytes, multiple):
+    layout = KVTensorLayout(block_bytes=2 * region_block_bytes, num_regions=2)
+    unit = KVPageGeometry([layout] * 4, num_blocks=1, granularity=2 * MiB)
+    got = kv_page_multiple(vmm(), [unit], 10_000, KV_PAGE_MIN_CHUNK_BYTES)
+    assert got == multiple
+    assert got * unit.page_region_bytes[0] >= KV_PAGE_MIN_CHUNK_BYTES
+
+
+def test_chunk_floor_keeps_a_small_cache_elastic():
+    # 40 smallest pages: 16 MiB allocations would leave 5 pages; the cache
+    # keeps at least KV_PAGE_MIN_COUNT.
+    got = kv_page_multiple(vmm(), [UNIT], 40, KV_PAGE_MIN_CHUNK_BYTES)
+    assert got == 40 // KV_PAGE_MIN_COUNT == 2
+    assert kv_page_multiple(vmm(), [UNIT], 10, KV_PAGE_MIN_CHUNK_BYTES) == 1
+
+
+def test_explicit_page_bytes_round_up_on_the_largest_rank():
+    # Pipeline ranks with 36 and 24 layers: the page is at least the asked
+    # size on the larger one.
+    small = KVPageGeometry(LAYERS[:24], num_blocks=32, granularity=2 * MiB)
+    config = vmm(kv_cache_vmm_page_bytes=1 << 30)
+    assert kv_page_multiple(config, [small, UNIT], 1000, KV_PAGE_MIN_CHUNK_BYTES) == (
+        -(-1024 // 144)
+    )
+    # An explicit size wins over the floor, small pages included.
+    assert kv_page_multiple(vmm(kv_cache_vmm_page_bytes=1), [UNIT], 1000, 16 * MiB) == 1
+
+
+def test_page_larger_than_the_cache_is_refused():
+    config = vmm(kv_cache_vmm_page_bytes=10 * 144 * MiB + 1)
+    with pytest.raises(ValueError, match="--kv-cache-vmm-page-bytes .* larger than"):
+        kv_page_multiple(config, [UNIT], 10, 0)
+
+
+def test_cli_takes_human_readable_sizes():
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--kv-cache-vmm-page-bytes", "1G"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.kv_cache_vmm_page_bytes == 1 << 30
+    default = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert default.kv_cache_vmm_page_bytes is None
