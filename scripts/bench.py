@@ -20,7 +20,7 @@ Items (``--items``, comma-separated names or numbers; default: all):
   4 pagemap      page map/unmap cost per page and batched vs the raw driver (or OS) calls,
                  through scripts/bench_vmm.py
   5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py);
-                 end-to-end TTFT with scripts/bench_pd.py when present
+                 end-to-end TTFT through a prefill and a decode server (bench_pd.py)
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
 
 Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
@@ -518,7 +518,7 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
                        for k, v in ratios.items()}}
 
 
-def item_pd(runner: Runner, prof: dict, out: Path, gpus: int) -> dict:
+def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) -> dict:
     if gpus < 2:
         return {"not_measured": f"needs 2 GPUs, this host has {gpus}"}
     # Transfer throughput: NIXL READs of KV blocks from one GPU into the other, out of stock
@@ -540,28 +540,31 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int) -> dict:
         stock.append(r["stock"]["gb_per_s"])
         vmm.append(r["vmm"]["gb_per_s"])
     result: dict = {"transfer_gbps": summarize(stock, vmm)}
-    if not PD_SCRIPT.exists():
-        result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.relative_to(ROOT)} (an engine "
-                                             "prefill/decode pair) is not in this checkout"}
-        return result
-    # Contract of scripts/bench_pd.py: --backend {default,vmm} --model DIR --json PATH writes
-    # {"ttft_ms": float} for one prefill/decode pair run.
+    # scripts/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
+    # requests through both; one run per repetition, pairs while the budget allows.
     model = model_dir(prof["elastic"]["model"], out)
     runs: dict[str, list[float]] = {"default": [], "vmm": []}
     for backend in ab_order(prof["repeats"]):
+        if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
+                2 * prof["est_serve_s"]):
+            break
         js = out / f"pd_{backend}_{len(runs[backend])}.json"
         log = runner.logs / f"pd_{backend}_{len(runs[backend])}.log"
         print(f"pd: {backend}", flush=True)
         with open(log, "w") as f:
             rc = subprocess.run([sys.executable, str(PD_SCRIPT), "--backend", backend, "--model",
-                                 model, "--json", str(js)], stdout=f, stderr=subprocess.STDOUT,
-                                env=runner.env, timeout=600).returncode
+                                 model, "--json", str(js), "--logs", str(runner.logs),
+                                 "--vmm-args", json.dumps(prof.get("vmm_args", {}))],
+                                stdout=f, stderr=subprocess.STDOUT, env=runner.env,
+                                timeout=900).returncode
         if rc != 0 or not js.exists():
             result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name} exit {rc}, "
                                                  f"see logs/{log.name}"}
             return result
         runs[backend].append(json.loads(js.read_text())["ttft_ms"])
-    result["ttft_ms"] = summarize(runs["default"], runs["vmm"])
+    n = min(len(runs["default"]), len(runs["vmm"]))
+    result["ttft_ms"] = (summarize(runs["default"][:n], runs["vmm"][:n]) if n else
+                         {"not_measured": "time budget spent before the first pair"})
     return result
 
 
@@ -571,48 +574,71 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Server:
+    """`vllm serve` in its own process group, so that its engine core and workers stop with
+    it; ``env`` adds to (or overrides) ``base_env``."""
+
+    def __init__(self, model: str, backend: str, engine: dict, log: Path, base_env: dict,
+                 env: dict | None = None, tp: int = 1) -> None:
+        self.port = _free_port()
+        self.log = log
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(self.port),
+               "--tensor-parallel-size", str(tp), "--kv-cache-memory-backend", backend]
+        for key, value in engine.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value is not False:
+                cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        with open(log, "w") as f:
+            f.write(shlex.join(cmd) + "\n")
+            f.flush()
+            self.started = time.monotonic()
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**base_env, **(env or {})},
+                                         start_new_session=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_healthy(self, timeout: float) -> dict:
+        """{"health_s": seconds from spawning to GET /health 200} or {"error": ...}."""
+        while time.monotonic() - self.started < timeout:
+            if self.proc.poll() is not None:
+                return {"error": f"server exited {self.proc.returncode}, see "
+                                 f"logs/{self.log.name}"}
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return {"health_s": time.monotonic() - self.started}
+            except OSError:
+                pass
+            time.sleep(0.25)
+        return {"error": f"no /health 200 within {timeout:.0f} s, see logs/{self.log.name}"}
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def serve_startup(runner: Runner, model: str, backend: str, tp: int, engine: dict,
                   timeout: float) -> dict:
     """Seconds from spawning `vllm serve` to GET /health answering 200."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(port),
-           "--tensor-parallel-size", str(tp), "--kv-cache-memory-backend", backend]
-    for key, value in engine.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            cmd.append(flag)
-        elif value is not False:
-            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     runner.count += 1
     log = runner.logs / f"{runner.count:02d}-serve-tp{tp}-{backend}.log"
-    with open(log, "w") as f:
-        f.write(shlex.join(cmd) + "\n")
-        f.flush()
-        t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=runner.env,
-                                start_new_session=True)
-        try:
-            while time.monotonic() - t0 < timeout:
-                if proc.poll() is not None:
-                    return {"error": f"server exited {proc.returncode}, see logs/{log.name}"}
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
-                                                timeout=2) as r:
-                        if r.status == 200:
-                            return {"health_s": time.monotonic() - t0}
-                except OSError:
-                    pass
-                time.sleep(0.25)
-            return {"error": f"no /health 200 within {timeout:.0f} s, see logs/{log.name}"}
-        finally:
-            # The server's process group: its engine core and workers go with it.
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with Server(model, backend, engine, log, runner.env, tp=tp) as server:
+        return server.wait_healthy(timeout)
 
 
 def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: int, tp: int,
@@ -744,13 +770,14 @@ def main() -> None:
     gpus = probe["gpus"]
     if {"throughput", "startup"} & engine_items:
         # Time kept for the items after these: one engine for item 3, the page-map runs,
-        # the transfer runs of item 5 and at least a warm-up and one pair of server starts
-        # for item 6 (the two-GPU items only where they can run).
+        # item 5's transfer runs and one TTFT pair, and item 6's warm-up and one pair of
+        # server starts (the two-GPU items only where they can run).
         serve_runs = "tp2-startup" in engine_items and (
             gpus >= args.serve_tp if device == "cuda" else args.serve_tp == 1)
         reserve = (prof["est_child_s"] * ("elasticity" in engine_items)
                    + 15 * prof["pagemap"]["invocations"] * ("pagemap" in items)
-                   + prof["est_transfer_s"] * prof["repeats"] * ("pd" in items and gpus >= 2)
+                   + (prof["est_transfer_s"] * prof["repeats"] + 2 * prof["est_serve_s"])
+                   * ("pd" in items and gpus >= 2)
                    + 3 * prof["est_serve_s"] * serve_runs)
         for name, value in item_engine_ab(runner, prof, engine_items, budget, out,
                                           reserve).items():
@@ -760,7 +787,7 @@ def main() -> None:
     if "pagemap" in items:
         record("pagemap", item_pagemap(runner, prof, out))
     if "pd" in items:
-        record("pd", item_pd(runner, prof, out, gpus))
+        record("pd", item_pd(runner, prof, out, gpus, budget))
     if "tp2-startup" in engine_items:
         record("tp2-startup", item_tp2_startup(runner, prof, out, device, gpus,
                                                args.serve_tp, budget))

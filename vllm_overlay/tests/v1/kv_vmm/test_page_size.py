@@ -16,6 +16,10 @@ from vllm.v1.kv_vmm.pages import (
     kv_page_multiple,
 )
 
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+
+pytestmark = requires_vmm_kv_wiring
+
 MiB = 1 << 20
 
 # 36 layers split K/V, 64 KiB per block: a 2 MiB granule holds 32 blocks per

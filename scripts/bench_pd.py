@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End-to-end time to first token of prefill/decode disaggregation over NixlConnector.
+
+Two `vllm serve` instances on one host, the prefill instance on GPU 0 and the decode
+instance on GPU 1 (``--device cpu``: each on half of the CPUs, KV in host memory), both
+with the same --kv-cache-memory-backend. Each request goes the way
+a disaggregating proxy sends it: to the prefill instance with max_tokens=1 and
+``kv_transfer_params={"do_remote_decode": true, ...}``, then, with the transfer params that
+come back, to the decode instance, which reads the prompt's KV from the prefill instance's
+GPU over NIXL and produces the first token. TTFT is the wall time of both requests, one
+request at a time, after one untimed request (the NIXL handshake).
+
+Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json; scripts/bench.py
+(item 5) runs it once per A/B repetition.
+
+  python scripts/bench_pd.py --backend vmm --model <config dir> --json /tmp/pd.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import Server, _free_port  # noqa: E402
+
+# NixlConnector's prefill-side request fields, as a disaggregating proxy sends them.
+PREFILL_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                           "remote_engine_id": None, "remote_block_ids": None,
+                           "remote_host": None, "remote_port": None}
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
+                timeout: float) -> float:
+    """Seconds until the decode instance answers with the first token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "ignore_eos": True, "stream": False}
+    t0 = time.perf_counter()
+    done = _post(prefill.url("/v1/completions"),
+                 {**body, "kv_transfer_params": PREFILL_TRANSFER_PARAMS}, timeout)
+    params = done.get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"the prefill instance returned no kv_transfer_params: {done}")
+    out = _post(decode.url("/v1/completions"), {**body, "kv_transfer_params": params},
+                timeout)
+    seconds = time.perf_counter() - t0
+    if out["usage"]["completion_tokens"] != 1:
+        raise RuntimeError(f"the decode instance answered {out['usage']}")
+    return seconds
+
+
+def instance_env(device: str, role: str) -> dict[str, str]:
+    """Per instance: its own GPU, or on CPU its own half of the cores (two instances whose
+    OpenMP threads spin on the same cores starve each other's NIXL progress) and UCX over
+    the loopback."""
+    if device == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": "0" if role == "prefill" else "1"}
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    mine = cpus[:half] if role == "prefill" else (cpus[half:] or cpus[:half])
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)),
+            "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=["default", "vmm"], required=True)
+    p.add_argument("--model", required=True, help="model config directory (dummy weights)")
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--requests", type=int, default=8, help="timed requests (default 8)")
+    p.add_argument("--prompt-len", type=int, default=4000)
+    p.add_argument("--vmm-args", metavar="JSON", default="{}",
+                   help="engine arguments of both instances with --backend vmm")
+    p.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --json)")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: both instances on this host's CPUs, KV in host memory "
+                   "(checks the flow; the figures are for GPUs)")
+    args = p.parse_args()
+
+    logs = args.logs or args.json.parent
+    logs.mkdir(parents=True, exist_ok=True)
+    transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    engine: dict = {"max_model_len": args.prompt_len + 16, "enforce_eager": True}
+    if args.device == "cuda":
+        engine |= {"gpu_memory_utilization": 0.85, "kv_transfer_config": transfer}
+    else:
+        engine |= {"kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4,
+                   "kv_transfer_config": {**transfer, "kv_buffer_device": "cpu"}}
+    if args.backend == "vmm":
+        engine |= json.loads(args.vmm_args)
+    base_env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    servers = {}
+    try:
+        for role in ("prefill", "decode"):
+            servers[role] = Server(
+                args.model, args.backend, engine, logs / f"pd-{args.backend}-{role}.log",
+                base_env, env={**instance_env(args.device, role),
+                               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+        for role, server in servers.items():
+            health = server.wait_healthy(args.timeout)
+            if "error" in health:
+                raise SystemExit(f"{role} instance: {health['error']}")
+        prefill, decode = servers["prefill"], servers["decode"]
+        runs = []
+        for i in range(args.requests + 1):
+            prompt = [(7919 * i + 13 * j) % 3000 + 100 for j in range(args.prompt_len)]
+            seconds = first_token(prefill, decode, args.model, prompt, args.timeout)
+            if i:  # the first request also makes the NIXL handshake
+                runs.append(seconds * 1000)
+            print(f"request {i}: {seconds * 1000:.1f} ms", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    result = {"ttft_ms": statistics.median(runs), "ttft_ms_runs": runs,
+              "backend": args.backend, "prompt_len": args.prompt_len, "engine": engine}
+    args.json.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("backend", "ttft_ms")}))
+
+
+if __name__ == "__main__":
+    main()
