@@ -5,8 +5,8 @@
 
 Two `vllm serve` instances on one host, the prefill instance on GPU 0 and the decode
 instance on GPU 1 (``--device cpu``: each on half of the CPUs, KV in host memory), both
-with the same --kv-cache-memory-backend. Each request goes the way
-a disaggregating proxy sends it: to the prefill instance with max_tokens=1 and
+with the same --kv-cache-memory-backend. Each request goes the way a disaggregating proxy
+sends it: to the prefill instance with max_tokens=1 and
 ``kv_transfer_params={"do_remote_decode": true, ...}``, then, with the transfer params that
 come back, to the decode instance, which reads the prompt's KV from the prefill instance's
 GPU over NIXL and produces the first token. TTFT is the wall time of both requests, one
@@ -65,16 +65,23 @@ def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
     return seconds
 
 
-def instance_env(device: str, role: str) -> dict[str, str]:
-    """Per instance: its own GPU, or on CPU its own half of the cores (two instances whose
-    OpenMP threads spin on the same cores starve each other's NIXL progress) and UCX over
-    the loopback."""
-    if device == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": "0" if role == "prefill" else "1"}
+def cpu_half(role: str) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for one of two instances on this host's CPUs: the prefill
+    instance's workers on the first half, the decode's on the second. Two instances whose
+    OpenMP threads spin on the same cores starve each other's NIXL progress (on two cores,
+    reads then took minutes)."""
     cpus = sorted(os.sched_getaffinity(0))
     half = max(1, len(cpus) // 2)
     mine = cpus[:half] if role == "prefill" else (cpus[half:] or cpus[:half])
-    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)),
+    return ",".join(map(str, mine))
+
+
+def instance_env(device: str, role: str) -> dict[str, str]:
+    """Per instance: its own GPU, or on CPU its own half of the cores and UCX over the
+    loopback."""
+    if device == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": "0" if role == "prefill" else "1"}
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cpu_half(role),
             "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"),
             "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 

@@ -7,10 +7,10 @@
   python scripts/bench_report.py build/bench/results.json --doc docs/BENCHMARKS.md
 
 Several results.json files (e.g. from a one-GPU and a two-GPU host) are merged, later ones
-winning per item (per model for items 1 and 2) where they measured it. With --doc, the merged results.json and the
-timeline PNG are written to docs/bench/e2e/ and the section between the markers below in
-the doc is replaced by the tables, so the doc is written from measured data only. The rest
-of the doc (e.g. the page-map sections) stays.
+winning per item (per model for items 1 and 2) where they measured it. With --doc, the
+merged results.json and the timeline PNG are written to docs/bench/e2e/ and the section
+between the markers below in the doc is replaced by the tables, so the doc is written from
+measured data only. The rest of the doc (e.g. the page-map sections) stays.
 """
 
 from __future__ import annotations

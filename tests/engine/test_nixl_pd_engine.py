@@ -24,6 +24,7 @@ pytestmark = pytest.mark.engine
 nixl = pytest.importorskip("nixl", reason="NixlConnector needs the nixl package")
 
 import nixl_pd_node as node  # noqa: E402
+from bench_pd import cpu_half  # noqa: E402
 
 MAX_TOKENS = 6
 TIMEOUT = 600
@@ -46,13 +47,8 @@ def _env(role: str = "single") -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["VLLM_TARGET_DEVICE"] = "cpu"
     if role in ("prefill", "decode"):
-        # Two instances share the machine: each worker's OpenMP threads get their own half
-        # of the CPUs. With the default binding both spin on the same cores and starve the
-        # other instance's NIXL progress (on two cores, reads then took minutes).
-        cpus = sorted(os.sched_getaffinity(0))
-        half = max(1, len(cpus) // 2)
-        mine = cpus[:half] if role == "prefill" else (cpus[half:] or cpus[:half])
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+        # Two instances share the machine: each worker's OpenMP threads on its own half.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_half(role))
     # UCX between two processes of one host over the loopback.
     env.setdefault("UCX_TLS", "tcp,self,sm")
     env.setdefault("UCX_NET_DEVICES", "lo")
