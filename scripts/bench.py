@@ -486,6 +486,7 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
             "page table unmap, per page", "page table map, batched",
             "page table unmap, batched", "raw set access, per page", "raw set access, batched"]
     per_run: list[dict] = []
+    overlaps: list[dict] = []  # CUDA: GPU work alone and while the host maps pages
     for i in range(p["invocations"]):
         js = out / f"pagemap_{i + 1}.json"
         log = runner.logs / f"pagemap_{i + 1}.log"
@@ -500,6 +501,8 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
         if not stats:
             return {"not_measured": f"bench_vmm.py exit {rc}, see logs/{log.name}"}
         per_run.append({k: stats[k]["median_us"] for k in rows})
+        if "overlap" in stats:
+            overlaps.append(stats["overlap"])
     medians = {k: statistics.median(r[k] for r in per_run) for k in rows}
     ratios = {
         "map per page / raw map": [r["page table map, per page"] / r["raw map, per page"]
@@ -511,9 +514,12 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
         "set access batched / per page": [r["raw set access, batched"] /
                                           r["raw set access, per page"] for r in per_run],
     }
+    if overlaps:
+        ratios["GPU work while mapping / alone"] = [
+            o["ratio gpu while mapping/alone (median)"] for o in overlaps]
     return {"backend": p["backend"], "pages": p["pages"], "repeats": p["repeats"],
             "invocations": p["invocations"], "us_per_page": medians,
-            "us_per_page_runs": per_run,
+            "us_per_page_runs": per_run, **({"overlap_runs": overlaps} if overlaps else {}),
             "ratios": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
                        for k, v in ratios.items()}}
 

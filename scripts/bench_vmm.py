@@ -10,7 +10,10 @@ For each backend it measures, in the same run:
   (CUDA), and the reverse for unmap;
 * ``KVPageTable.map_pages([p])`` / ``unmap_pages([p])`` one page at a time;
 * ``map_pages(all)`` / ``unmap_pages(all)`` in one call (batched);
-* set-access per page versus one call over the whole run of pages.
+* set-access per page versus one call over the whole run of pages;
+* CUDA only: the GPU time of a fixed chain of matmuls alone, and while the
+  host maps pages through the page table (does the driver's map path take
+  time from running kernels, or can it hide behind them?).
 
 Numbers are microseconds per page: the median over ``--repeats`` runs, with
 min and max. Run it with the patched vLLM tree on PYTHONPATH, or, where vLLM
@@ -233,6 +236,68 @@ def bench(backend: VmmBackend, raw_cls: type, num_pages: int, repeats: int) -> d
     }
 
 
+def gpu_overlap(backend: VmmBackend, num_pages: int, repeats: int) -> dict:
+    """GPU time of a chain of matmuls alone, and while the host maps
+    ``num_pages`` pages through the page table, one call per page, right after
+    launching it (as a step's page changes are applied while the previous
+    step still runs). A ratio near 1: mapping hides behind the GPU's work;
+    above 1: the map calls hold up running kernels."""
+    g = backend.granularity
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=g)], num_blocks=num_pages, granularity=g
+    )
+    table = KVPageTable(backend, geometry, max_pages=num_pages)
+    pages = range(num_pages)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
+
+    def map_all() -> float:
+        us = sum(_timed(lambda i=i: table.map_pages([i])) for i in pages)
+        return us / 1e3
+
+    def gpu_ms(num_mm: int, mapping: bool) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(num_mm):
+            torch.mm(a, a, out=c)
+        end.record()
+        host_ms = map_all() if mapping else 0.0
+        end.synchronize()
+        if mapping:
+            table.unmap_pages(pages)
+        return start.elapsed_time(end), host_ms
+
+    # Untimed: warm-up, then size the GPU work to five times the host's map
+    # time, so that the map calls all fall inside it.
+    host_ms = max(gpu_ms(8, True)[1], gpu_ms(8, True)[1])
+    per_mm = gpu_ms(50, False)[0] / 50
+    num_mm = min(1000, max(50, round(5 * host_ms / per_mm)))
+    alone: list[float] = []
+    mapping: list[float] = []
+    host: list[float] = []
+    for _ in range(repeats):
+        alone.append(gpu_ms(num_mm, False)[0])
+        gpu, h = gpu_ms(num_mm, True)
+        mapping.append(gpu)
+        host.append(h)
+    table.close()
+    return {
+        "pages": num_pages,
+        "matmuls": num_mm,
+        "gpu_ms_alone": statistics.median(alone),
+        "gpu_ms_while_mapping": statistics.median(mapping),
+        "host_map_ms": statistics.median(host),
+        "host_map_within_gpu_work": max(host) < min(alone),
+        "ratio gpu while mapping/alone (median)": statistics.median(mapping)
+        / statistics.median(alone),
+        "runs": repeats,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["host", "cuda", "all"], default="all")
@@ -274,6 +339,8 @@ def main() -> None:
             stats["page table unmap, per page"]["median_us"]
             / stats["raw unmap, per page"]["median_us"]
         )
+        if kind == "cuda":
+            stats["overlap"] = gpu_overlap(backend, args.pages, args.repeats)
         results["backends"][kind] = {"granularity": backend.granularity, **stats}
 
     for kind, stats in results["backends"].items():
@@ -284,13 +351,21 @@ def main() -> None:
         print("| operation | median us/page | min | max |")
         print("|---|---:|---:|---:|")
         for name, s in stats.items():
-            if isinstance(s, dict):
+            if isinstance(s, dict) and "median_us" in s:
                 print(
                     f"| {name} | {s['median_us']:.2f} | {s['min_us']:.2f} | "
                     f"{s['max_us']:.2f} |"
                 )
         for name in ("ratio map/raw (median)", "ratio unmap/raw (median)"):
             print(f"| {name} | {stats[name]:.2f} | | |")
+        if "overlap" in stats:
+            o = stats["overlap"]
+            print(
+                f"GPU work ({o['matmuls']} matmuls): {o['gpu_ms_alone']:.2f} ms alone, "
+                f"{o['gpu_ms_while_mapping']:.2f} ms while the host maps {o['pages']} "
+                f"pages in {o['host_map_ms']:.2f} ms (ratio "
+                f"{o['ratio gpu while mapping/alone (median)']:.3f})"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

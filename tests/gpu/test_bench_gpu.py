@@ -33,12 +33,16 @@ def test_bench_elasticity_and_pagemap_on_gpu(tmp_path: Path):
     assert "not_measured" not in el, el
     assert el["run"]["device"] == "cuda" and el["run"]["gpu"]
     first = el["bursts"][0]
-    # The first burst needs many pages beyond the startup mapping; afterwards the engine
-    # gives them back to within the bound (null block's page + headroom).
-    assert first["peak_mapped_bytes"] >= 4 * el["page_bytes"]
+    # The first burst needs pages beyond the startup mapping; afterwards the engine gives
+    # them back to within the bound (null block's page + headroom).
+    assert first["peak_mapped_bytes"] > el["startup_mapped_bytes"]
     assert el["ok"], el["bursts"]
     assert (out / "elasticity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     pm = items["pagemap"]
     assert "not_measured" not in pm, pm
     assert pm["backend"] == "cuda" and all(v > 0 for v in pm["us_per_page"].values())
+    # GPU work timed alone and while the host maps pages, the maps inside the work.
+    overlap = pm["overlap_runs"][0]
+    assert overlap["host_map_within_gpu_work"], overlap
+    assert pm["ratios"]["GPU work while mapping / alone"]["median"] > 0

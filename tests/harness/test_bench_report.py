@@ -72,6 +72,28 @@ def test_merge_keeps_models_and_items_of_other_runs(tmp_path: Path):
     assert "2. d2: NVIDIA H100" in md
 
 
+def test_pagemap_rows_include_gpu_work_while_mapping_where_measured():
+    from bench_report import render_results
+
+    us = {"raw map, per page": 33.0, "page table map, per page": 38.0}
+    pagemap = {"run": RUN1, "backend": "cuda", "pages": 64, "repeats": 11, "invocations": 2,
+               "us_per_page": us,
+               "ratios": {"map per page / raw map": {"median": 1.15, "min": 1.1, "max": 1.2},
+                          "GPU work while mapping / alone": {"median": 1.014, "min": 1.01,
+                                                             "max": 1.02}},
+               "overlap_runs": [{"pages": 64, "matmuls": 118, "gpu_ms_alone": a,
+                                 "gpu_ms_while_mapping": b, "host_map_ms": h}
+                                for a, b, h in ((21.0, 21.3, 4.0), (22.0, 22.5, 5.0))]}
+    md = render_results({"items": {"pagemap": pagemap}})
+    assert "cuda: map per page / raw map |  |  | 1.150 [1.100..1.200], n=2 | <= 1.5 | pass" in md
+    assert "cuda: GPU work while mapping / alone |  |  | 1.014 [1.010..1.020], n=2 |  |" in md
+    assert ("GPU work while mapping: 118 matmuls took 21.50 ms alone and 21.90 ms while the "
+            "host mapped 64 pages (one page table call each, 4.50 ms on the host)") in md
+    # The host backend (no GPU work) has neither.
+    del pagemap["overlap_runs"], pagemap["ratios"]["GPU work while mapping / alone"]
+    assert "GPU work" not in render_results({"items": {"pagemap": pagemap}})
+
+
 def test_doc_section_replaced_in_place(tmp_path: Path):
     from bench_report import BEGIN, END, update_doc
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """How many blocks a KV page holds: --kv-cache-vmm-page-bytes when given,
-otherwise (on CUDA) enough for physical allocations of 16 MiB per tensor
-region while the KV cache keeps at least 16 pages."""
+otherwise (on CUDA) enough for physical allocations of KV_PAGE_MIN_CHUNK_BYTES
+per tensor region while the KV cache keeps at least KV_PAGE_MIN_COUNT pages."""
 
 import pytest
 
@@ -38,20 +38,33 @@ def test_unit_pages_without_a_chunk_floor():
 
 
 @pytest.mark.parametrize(
-    "region_block_bytes, multiple",
-    [(64 * 1024, 8), (128 * 1024, 8), (96 * 1024, 3), (12 * MiB, 2), (16 * MiB, 1)],
+    "region_block_bytes, min_chunk_mib, multiple",
+    [
+        (64 * 1024, 16, 8),
+        (64 * 1024, 64, 32),
+        (128 * 1024, 16, 8),
+        (96 * 1024, 16, 3),
+        (96 * 1024, 64, 11),
+        (12 * MiB, 16, 2),
+        (12 * MiB, 64, 6),
+        (16 * MiB, 16, 1),
+        (16 * MiB, 64, 4),
+    ],
 )
-def test_chunk_floor(region_block_bytes, multiple):
+def test_chunk_floor(region_block_bytes, min_chunk_mib, multiple):
     layout = KVTensorLayout(block_bytes=2 * region_block_bytes, num_regions=2)
     unit = KVPageGeometry([layout] * 4, num_blocks=1, granularity=2 * MiB)
-    got = kv_page_multiple(vmm(), [unit], 10_000, KV_PAGE_MIN_CHUNK_BYTES)
+    got = kv_page_multiple(vmm(), [unit], 10_000, min_chunk_mib * MiB)
     assert got == multiple
-    assert got * unit.page_region_bytes[0] >= KV_PAGE_MIN_CHUNK_BYTES
+    assert got * unit.page_region_bytes[0] >= min_chunk_mib * MiB
+    # The smallest multiple that reaches the floor.
+    assert (got - 1) * unit.page_region_bytes[0] < min_chunk_mib * MiB
 
 
 def test_chunk_floor_keeps_a_small_cache_elastic():
-    # 40 smallest pages: 16 MiB allocations would leave 5 pages; the cache
-    # keeps at least KV_PAGE_MIN_COUNT.
+    # 40 smallest pages: allocations of the default floor would leave one or
+    # a few pages; the cache keeps at least KV_PAGE_MIN_COUNT.
+    assert 40 * UNIT.page_region_bytes[0] // KV_PAGE_MIN_CHUNK_BYTES < KV_PAGE_MIN_COUNT
     got = kv_page_multiple(vmm(), [UNIT], 40, KV_PAGE_MIN_CHUNK_BYTES)
     assert got == 40 // KV_PAGE_MIN_COUNT == 2
     assert kv_page_multiple(vmm(), [UNIT], 10, KV_PAGE_MIN_CHUNK_BYTES) == 1
