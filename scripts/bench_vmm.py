@@ -330,6 +330,8 @@ def main() -> None:
             raw_cls = RawCuda
             results["gpu"] = torch.cuda.get_device_name(0)
         stats = bench(backend, raw_cls, args.pages, args.repeats)
+        if kind == "cuda":
+            stats["overlap"] = gpu_overlap(backend, args.pages, args.repeats)
         backend.close()
         stats["ratio map/raw (median)"] = (
             stats["page table map, per page"]["median_us"]
@@ -339,8 +341,6 @@ def main() -> None:
             stats["page table unmap, per page"]["median_us"]
             / stats["raw unmap, per page"]["median_us"]
         )
-        if kind == "cuda":
-            stats["overlap"] = gpu_overlap(backend, args.pages, args.repeats)
         results["backends"][kind] = {"granularity": backend.granularity, **stats}
 
     for kind, stats in results["backends"].items():
