@@ -155,12 +155,19 @@ class RawCuda:
         self.drv.cuMemAddressFree(self.va, self.g * num_pages)
 
 
-def bench(backend: VmmBackend, raw_cls: type, num_pages: int, repeats: int) -> dict:
+def one_region_table(backend: VmmBackend, num_pages: int) -> KVPageTable:
+    """A page table over one KV tensor of one region, one granule per page:
+    one physical allocation per page."""
     g = backend.granularity
     geometry = KVPageGeometry(
         [KVTensorLayout(block_bytes=g)], num_blocks=num_pages, granularity=g
     )
-    table = KVPageTable(backend, geometry, max_pages=num_pages)
+    return KVPageTable(backend, geometry, max_pages=num_pages)
+
+
+def bench(backend: VmmBackend, raw_cls: type, num_pages: int, repeats: int) -> dict:
+    g = backend.granularity
+    table = one_region_table(backend, num_pages)
     raw = RawHost(g, num_pages) if raw_cls is RawHost else RawCuda(backend, num_pages)
     pages = range(num_pages)
     samples: dict[str, list[float]] = {}
@@ -242,11 +249,7 @@ def gpu_overlap(backend: VmmBackend, num_pages: int, repeats: int) -> dict:
     launching it (as a step's page changes are applied while the previous
     step still runs). A ratio near 1: mapping hides behind the GPU's work;
     above 1: the map calls hold up running kernels."""
-    g = backend.granularity
-    geometry = KVPageGeometry(
-        [KVTensorLayout(block_bytes=g)], num_blocks=num_pages, granularity=g
-    )
-    table = KVPageTable(backend, geometry, max_pages=num_pages)
+    table = one_region_table(backend, num_pages)
     pages = range(num_pages)
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
