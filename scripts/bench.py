@@ -378,13 +378,12 @@ def model_dir(name: str, out: Path) -> str:
 
         # 4 KV heads: a 2 MiB page holds 16 blocks per layer, so bursts span many pages.
         return str(make_tiny_model(out / "models" / "tiny-llama", num_key_value_heads=4))
-    from tiny_model import MODELS
+    from tiny_model import model_path
 
-    path = MODELS / name
-    if not (path / "config.json").exists():
-        raise SystemExit(f"{path}/config.json not found: set KVSERIES_MODELS to the directory "
-                         "of public model configs")
-    return str(path)
+    try:
+        return str(model_path(name))
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
 
 
 def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget, out: Path,
@@ -716,7 +715,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("BENCH_OUT",
                                                                    ROOT / "build" / "bench")))
     p.add_argument("--repeats", type=int, help="A/B pairs per measurement")
-    p.add_argument("--models", help="comma-separated model config names (KVSERIES_MODELS)")
+    p.add_argument("--models", help="comma-separated model names (short name or hub id; configs in ci/hf-models)")
     p.add_argument("--budget-s", type=float, default=1080,
                    help="time budget of the whole suite: repetitions that would overrun it "
                    "are dropped, keeping time for the items after them (default 1080)")

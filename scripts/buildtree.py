@@ -15,12 +15,13 @@ from __future__ import annotations
 import re
 import shutil
 import tarfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fetch import fetch_sdist
 from seriestool import (
-    Release, SeriesError, git, git_out, overlay_digest, overlay_dir, overlay_files,
+    Release, SeriesError, build_dir, git, git_out, overlay_digest, overlay_dir, overlay_files,
     overlay_message, read_series, read_state, sha256_file, write_state,
 )
 
@@ -309,3 +310,23 @@ def apply_series(release: Release, log=print) -> str:
             f"`make refresh VLLM_VERSION={release.version}` so the series applies exactly.")
     return (f"vLLM {release.version}: applied pristine {release.tag} + overlay + {len(want)} "
             f"patches in {tree}")
+
+
+@contextmanager
+def scratch_worktree(tree: Path, ref: str, name: str):
+    """A throwaway detached worktree of `tree` at `ref` under build/.<name>/, removed after.
+
+    For checks that must start from the pristine release without touching the build tree or
+    any work in it."""
+    wt = build_dir() / f".{name}" / tree.name
+    git(tree, "worktree", "remove", "--force", str(wt), check=False)
+    shutil.rmtree(wt, ignore_errors=True)
+    git(tree, "worktree", "prune")
+    wt.parent.mkdir(parents=True, exist_ok=True)
+    git(tree, "worktree", "add", "-q", "--detach", str(wt), ref)
+    try:
+        yield wt
+    finally:
+        git(tree, "worktree", "remove", "--force", str(wt), check=False)
+        shutil.rmtree(wt, ignore_errors=True)
+        git(tree, "worktree", "prune", check=False)

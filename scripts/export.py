@@ -5,7 +5,9 @@
 
 Writes `git format-patch` files of every commit after the pristine tag into
 build/export/vllm-X/ (or --out), with your Signed-off-by added (DCO) and the overlay commit
-authored by you. Refuses if the build tree is not exactly the current series.
+authored by you. Refuses if the build tree is not exactly the current series. Before it
+reports success it checks that the files are what a reviewer gets: `git am` of them, in order,
+onto the pristine release gives exactly the patched tree.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from buildtree import (  # noqa: E402
-    commits_after, desired_patches, recorded_commits, require_applied_tree,
+    commits_after, desired_patches, recorded_commits, require_applied_tree, scratch_worktree,
 )
 from seriestool import (  # noqa: E402
-    HARNESS_IDENT, SeriesError, build_dir, format_patch_args, get_release, main_guard,
-    overlay_digest, read_state, run,
+    HARNESS_IDENT, SeriesError, build_dir, format_patch_args, get_release, git, git_out,
+    main_guard, overlay_digest, read_state, run,
 )
 
 
@@ -69,7 +71,35 @@ def export(release, out: Path) -> list[Path]:
         if "\nSigned-off-by: " not in text.split("\n---\n", 1)[0]:
             raise SeriesError(f"{f.name} has no Signed-off-by line after export.")
         f.write_text(text)
+    check_round_trip(tree, release, files)
     return files
+
+
+def check_round_trip(tree: Path, release, files: list[Path]) -> None:
+    """`git am` of `files` onto pristine vX must reproduce the patched tree byte for byte.
+
+    Plain `git am`, as a contributor or reviewer runs it: no --3way, no --keep-cr."""
+    with scratch_worktree(tree, release.tag, "export-check") as wt:
+        proc = git(wt, "am", "--quiet", *(str(f) for f in files), check=False, dated=False)
+        if proc.returncode != 0:
+            said = [line for line in (proc.stdout + proc.stderr).splitlines()
+                    if line.startswith(("Patch failed", "error:"))]
+            git(wt, "am", "--abort", check=False)
+            raise SeriesError(
+                f"the exported patches do not apply with `git am` to pristine {release.tag}:\n  "
+                + "\n  ".join(said or ["git am failed"]),
+                "Re-make the commit that fails so it applies as sent (a file with CRLF line ends, "
+                "for example, loses its CRs in `git am`), `make refresh`, then export again.",
+            )
+        diff = git_out(wt, "diff", "--stat", "HEAD", git_out(tree, "rev-parse", "HEAD"))
+        if diff:
+            raise SeriesError(
+                f"`git am` of the exported patches onto pristine {release.tag} does not "
+                f"reproduce the patched tree; these files would reach a reviewer altered:\n{diff}",
+                "Do not send these patches. Re-make the commits that touch those files so they "
+                "survive `git am` (CRLF line ends, for example, lose their CRs), `make refresh`, "
+                "then export again.",
+            )
 
 
 def main() -> None:

@@ -31,9 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seriestool import ROOT, SeriesError, build_dir, main_guard  # noqa: E402
-
-COMMITTED = ROOT / "ci" / "hf-models"
+from model_configs import SHIPPED, shipped_models  # noqa: E402
+from seriestool import SeriesError, build_dir, main_guard  # noqa: E402
 SKIP = {"SOURCES.md", "README.md"}
 
 
@@ -53,16 +52,6 @@ def hf_cache_dir() -> Path:
 def hub_cache_dir() -> Path:
     """What HF_HUB_CACHE must point at."""
     return hf_cache_dir() / "hub"
-
-
-def committed_models(root: Path = COMMITTED) -> dict[str, Path]:
-    """hub id -> directory, for ci/hf-models/<org>/<name>/."""
-    models = {}
-    if root.is_dir():
-        for org in sorted(p for p in root.iterdir() if p.is_dir()):
-            for model in sorted(p for p in org.iterdir() if p.is_dir()):
-                models[f"{org.name}/{model.name}"] = model
-    return models
 
 
 def extra_models(root: Path | None) -> dict[str, Path]:
@@ -113,9 +102,9 @@ def build() -> tuple[Path, dict[str, str]]:
     hub = hub_cache_dir()
     hub.mkdir(parents=True, exist_ok=True)
     models = extra_models(extra_models_dir())
-    models.update(committed_models())  # the committed copy wins: it is what CI tests with
+    models.update(shipped_models())  # the committed copy wins: it is what CI tests with
     if not models:
-        raise SeriesError(f"no model configs found under {COMMITTED}.")
+        raise SeriesError(f"no model configs found under {SHIPPED}.")
     revisions = {mid: add_model(hub, mid, d) for mid, d in sorted(models.items())}
     # Models dropped from the sources leave the cache too, so a test never passes on a stale one.
     wanted = {"models--" + mid.replace("/", "--") for mid in models}

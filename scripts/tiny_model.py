@@ -1,18 +1,19 @@
-"""Small dummy-weight models derived from the public configs in ../shared/models.
+"""Small dummy-weight models derived from the project's public model configs.
 
-The architecture and tensor layout stay those of the real model; only sizes shrink, so a real
-vLLM engine builds and runs it on 2 CPU cores in seconds. Weights come from
-load_format="dummy"; no tokenizer is needed (skip_tokenizer_init=True, token-id prompts).
+The architecture and tensor layout stay those of the real model (its config.json from
+ci/hf-models, see model_configs.py); only sizes shrink, so a real vLLM engine builds and runs it
+on 2 CPU cores in seconds. Weights come from load_format="dummy"; no tokenizer is needed
+(skip_tokenizer_init=True, token-id prompts).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import sys
 from pathlib import Path
 
-MODELS = Path(os.environ.get("KVSERIES_MODELS",
-                             Path(__file__).resolve().parent.parent.parent / "shared" / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_configs import model_path  # noqa: E402
 
 TINY_LLAMA = {
     "num_hidden_layers": 2,
@@ -27,17 +28,13 @@ TINY_LLAMA = {
 
 
 def public_config(name: str) -> dict:
-    path = MODELS / name / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} not found: set KVSERIES_MODELS to the directory of public model configs")
-    return json.loads(path.read_text())
+    return json.loads((model_path(name) / "config.json").read_text())
 
 
 def make_tiny_model(dest: Path, base: str = "Llama-3.1-8B-Instruct", **overrides) -> Path:
     """Write config.json of a shrunk `base` into dest; returns dest (a model directory)."""
     config = public_config(base)
-    config.update(TINY_LLAMA if base.startswith("Llama") else {})
+    config.update(TINY_LLAMA if model_path(base).name.startswith("Llama") else {})
     config.update(overrides)
     config.pop("rope_scaling", None)  # long-context scaling of the full model: not for a toy
     dest.mkdir(parents=True, exist_ok=True)

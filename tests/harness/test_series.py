@@ -202,6 +202,39 @@ def test_export_adds_signoff_and_author(project: Project):
     assert "newpkg/__init__.py" in overlay
 
 
+def test_export_applies_with_git_am_onto_pristine_and_reproduces_the_tree(project: Project):
+    """What a reviewer does with the export: `git am` onto the released tree, nothing else."""
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    add_patch(project, V1, "vllm/core.py", "return x + 9\n", "return x * 9\n", "[Core] B")
+    out = project.root / "out"
+    project.run("export.py", "--version", V1, "--out", str(out))
+    tree = project.tree(V1)
+    pristine = project.root / "reviewer"
+    subprocess.run(["git", "clone", "-q", "--branch", f"v{V1}", str(tree), str(pristine)],
+                   check=True, env=project.env, capture_output=True)
+    subprocess.run(["git", "-C", str(pristine), "am", "-q", *sorted(map(str, out.glob("*.patch")))],
+                   check=True, env=project.env, capture_output=True)
+
+    def tree_id(path):
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD^{tree}"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    assert tree_id(pristine) == tree_id(tree)
+    assert project.git(V1, "log", "--format=%s", f"v{V1}..HEAD").splitlines()[0] == "[Core] B"
+
+
+def test_export_refuses_patches_that_git_am_would_change(project: Project):
+    # `git am` strips the CR of CRLF lines, so such a commit would reach a reviewer altered.
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    project.commit_in_tree(V1, "vllm/crlf.txt", "one\r\ntwo\r\n", "[Misc] CRLF file")
+    project.run("refresh.py", "--version", V1)
+    proc = project.run("export.py", "--version", V1, "--out", str(project.root / "out"),
+                       check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "pristine v1.0.0" in proc.stderr and "vllm/crlf.txt" in proc.stderr, proc.stderr
+    assert "export again" in proc.stderr
+
+
 def test_export_refuses_tree_out_of_sync(project: Project):
     add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
     project.commit_in_tree(V1, "vllm/core.py", "x\n", "[Core] Unrefreshed")
