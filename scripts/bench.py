@@ -11,7 +11,10 @@ are medians over the repetitions, with min..max, and ratios B/A.
 Items (``--items``, comma-separated names or numbers; default: all):
 
   1 throughput   offline tokens/s, prefill-heavy and decode-heavy workloads, per model; each
-                 workload runs twice per engine (", 2nd run": its KV memory already mapped)
+                 workload runs twice per engine (", 2nd run": its KV memory already mapped);
+                 then, once the engine has been idle for the shrink delay (VMM: its pages
+                 given back), the time to first token of one request, and the VMM engine's
+                 idle footprint (mapped KV bytes)
   2 startup      engine construction time (LLM(...)), from the same processes as item 1
   3 elasticity   mapped KV bytes over a bursty workload (timeline PNG); after each burst and
                  a short shrink delay (ELASTIC_SHRINK_DELAY_S) the mapped bytes must be
@@ -58,7 +61,7 @@ SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 sys.path.insert(0, str(SCRIPTS))
 
-from bench_report import merge_item, render_results  # noqa: E402
+from bench_report import IDLE_TTFT, merge_item, render_results  # noqa: E402
 
 # Item 3 checks that memory falls back after a burst; a short --kv-cache-vmm-shrink-delay
 # keeps the run short (the default keeps pages for bursts that follow closely).
@@ -66,6 +69,9 @@ ELASTIC_SHRINK_DELAY_S = 1.0
 
 #: Key of a workload's second run in the same engine (see child_throughput).
 REPEAT_SUFFIX = ", 2nd run"
+
+#: vLLM's default --kv-cache-vmm-shrink-delay, which item 1's engines keep.
+DEFAULT_SHRINK_DELAY_S = 10.0
 
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup"]
 GPU_MODELS = ["Qwen3-8B", "Llama-3.1-8B-Instruct"]
@@ -83,6 +89,7 @@ PROFILES: dict[str, dict] = {
                    # Fewer CUDA graph sizes: shorter startup for both sides alike.
                    "compilation_config": {"cudagraph_capture_sizes":
                                           [1, 2, 4, 8, 16, 32, 64, 128, 256]}},
+        "idle_ttft_input": 2000,
         "workloads": {"prefill": {"num": 128, "input": 1024, "output": 8},
                       "decode": {"num": 128, "input": 64, "output": 256}},
         "elastic": {"model": "Llama-3.1-8B-Instruct", "bursts": [(64, 1000, 32), (24, 600, 64)],
@@ -96,6 +103,7 @@ PROFILES: dict[str, dict] = {
         "repeats": 1,
         "engine": {"max_model_len": 2048, "max_num_seqs": 64, "gpu_memory_utilization": 0.85,
                    "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}},
+        "idle_ttft_input": 2000,
         "workloads": {"prefill": {"num": 32, "input": 1024, "output": 4},
                       "decode": {"num": 32, "input": 64, "output": 128}},
         "elastic": {"model": "Llama-3.1-8B-Instruct", "bursts": [(32, 1000, 16), (8, 600, 32)],
@@ -110,6 +118,7 @@ PROFILES: dict[str, dict] = {
         # One process per engine (worker inside the engine core): less start-up on 2 cores.
         "engine": {"max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True,
                    "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni"},
+        "idle_ttft_input": 600,
         "workloads": {"prefill": {"num": 8, "input": 128, "output": 2},
                       "decode": {"num": 8, "input": 16, "output": 16}},
         "elastic": {"model": "tiny-llama", "bursts": [(8, 600, 4), (3, 300, 4)],
@@ -166,6 +175,32 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
+def _idle_ttft(llm, spec: dict) -> dict:
+    """Time to first token of one request once the engine has been idle for the shrink delay.
+
+    Both sides wait the same time (the delay and 3 s more); the VMM side also waits until the
+    idle shrink has given its pages back (mapped KV back to the null block's page and the
+    headroom), so the request finds only those mapped and maps what it needs on its critical
+    path. Stock waits alike, so GPU clocks that drop when idle weigh on both sides."""
+    from vllm import SamplingParams
+
+    delay = spec.get("vmm_args", {}).get("kv_cache_vmm_shrink_delay", DEFAULT_SHRINK_DELAY_S)
+    time.sleep(delay + 3.0)
+    stats = llm.collective_rpc(_worker_page_stats)[0]
+    if stats:
+        idle_bytes = (1 + stats["headroom_pages"]) * stats["page_bytes"]
+        deadline = time.perf_counter() + 30
+        while stats["kv_mapped_bytes"] > idle_bytes and time.perf_counter() < deadline:
+            time.sleep(0.2)
+            stats = llm.collective_rpc(_worker_page_stats)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    prompt = _prompts(1, spec["idle_ttft_input"], salt=777)
+    t0 = time.perf_counter()
+    llm.generate(prompt, params, use_tqdm=False)
+    return {"ttft_s": time.perf_counter() - t0,
+            "mapped_bytes_idle": stats["kv_mapped_bytes"] if stats else None}
+
+
 def child_throughput(spec: dict) -> dict:
     from vllm import SamplingParams
 
@@ -195,6 +230,8 @@ def child_throughput(spec: dict) -> dict:
                     "seconds": seconds, "input_tokens": tokens_in,
                     "output_tokens": tokens_out,
                     "tokens_per_s": (tokens_in + tokens_out) / seconds}
+        if spec["workloads"] and spec.get("idle_ttft_input"):
+            result["idle_ttft"] = _idle_ttft(llm, spec)
         if spec["backend"] == "vmm":
             result["page_stats"] = llm.collective_rpc(_worker_page_stats)
     finally:
@@ -396,7 +433,7 @@ def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget, 
     workloads = prof["workloads"] if "throughput" in items else {}
     specs = {model: {"kind": "throughput", "model": model_dir(model, out),
                      "engine": prof["engine"], "vmm_args": prof.get("vmm_args", {}),
-                     "workloads": workloads}
+                     "workloads": workloads, "idle_ttft_input": prof.get("idle_ttft_input")}
              for model in prof["models"]}
     walls: list[float] = []
 
@@ -452,6 +489,12 @@ def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget, 
                   **prof["workloads"][key.removesuffix(REPEAT_SUFFIX)]}
             for key in b[0]["workloads"]} | {"note": note,
                                              "vmm_page_stats": b[-1].get("page_stats")}
+        if all("idle_ttft" in r for r in a + b):
+            results["throughput"]["models"][model][IDLE_TTFT] = {
+                **summarize([r["idle_ttft"]["ttft_s"] for r in a],
+                            [r["idle_ttft"]["ttft_s"] for r in b]),
+                "input": prof["idle_ttft_input"],
+                "vmm_idle_mapped_bytes": [r["idle_ttft"]["mapped_bytes_idle"] for r in b]}
     results["throughput"]["engine"] = results["startup"]["engine"] = prof["engine"]
     if prof.get("vmm_args"):
         results["throughput"]["vmm_args"] = results["startup"]["vmm_args"] = prof["vmm_args"]

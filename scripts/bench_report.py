@@ -33,7 +33,13 @@ TITLES = {
     "tp2-startup": "6. Server start, tensor parallel, to /health 200 (s)",
 }
 TARGETS = {"throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
-           "pd-transfer": (">=", 0.9), "tp2-startup": ("<=", 1.1)}
+           "pd-transfer": (">=", 0.9), "tp2-startup": ("<=", 1.1), "idle-ttft": ("<=", 1.1)}
+
+#: Key of item 1's first request after the engine went idle and (VMM) shrank.
+IDLE_TTFT = "first request after idle, TTFT (s)"
+
+#: Idle footprint target of a VMM engine (mapped KV bytes once idle).
+IDLE_FOOTPRINT_BYTES = 512 << 20
 
 
 def _num(x: float) -> str:
@@ -98,6 +104,15 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                     continue
                 for wl, s in m.items():
                     if not isinstance(s, dict) or "ratio" not in s:
+                        continue
+                    if wl == IDLE_TTFT:
+                        row(item, f"{name}, {model}, {wl}, {s['input']} tokens in",
+                            *_ab(s), *_verdict("idle-ttft", s["ratio"], run), run=run)
+                        idle = max(s["vmm_idle_mapped_bytes"])
+                        ok = "pass" if idle <= IDLE_FOOTPRINT_BYTES else "FAIL"
+                        row(item, f"{name}, {model}: VMM idle footprint (mapped KV, MiB, "
+                            "largest of the runs)", "", f"{idle / 2**20:.0f}", "",
+                            f"<= {IDLE_FOOTPRINT_BYTES >> 20}", ok, run=run)
                         continue
                     what = (f"{name}, {model}, {wl} ({s['num']} x {s['input']} in / "
                             f"{s['output']} out)" if item == "throughput" else f"{name}, {model}")

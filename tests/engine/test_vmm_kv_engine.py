@@ -32,7 +32,9 @@ def _prompts() -> list[list[list[int]]]:
 
 def _worker_stats(worker) -> dict:
     mapper = worker.model_runner.kv_page_mapper
-    return {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
+    return {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes,
+                                      "ahead_pages": mapper.policy.ahead_pages,
+                                      "idle_pages": 1 + mapper.policy.headroom_pages}
 
 
 def _run(model: Path, backend: str, page_limit: int | None = None,
@@ -42,12 +44,16 @@ def _run(model: Path, backend: str, page_limit: int | None = None,
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0, kv_cache_memory_bytes=64 << 20,
+              enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8192,
               enable_prefix_caching=True, kv_cache_memory_backend=backend, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
         ids: list[list[int]] = []
         stats = [llm.collective_rpc(_worker_stats)]
+        # The startup mapping (a step's worth of pages) goes back once the engine is idle
+        # for the shrink delay: every batch below starts from the idle mapping.
+        stats.append(_wait_idle_stats(llm))
         for batch in _prompts():
             outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
             ids += [list(o.outputs[0].token_ids) for o in outs]
@@ -67,14 +73,19 @@ def _run(model: Path, backend: str, page_limit: int | None = None,
 
 
 def _wait_idle_stats(llm) -> list[dict]:
-    """Worker stats once the engine has applied the idle shrink (one empty step once the
-    engine has been idle for the shrink delay; it runs in the engine process, asynchronously
-    to the caller)."""
+    """Worker stats once the engine has applied the idle shrink that follows the last step
+    (one empty step once the engine has been idle for the shrink delay; it runs in the engine
+    process, asynchronously to the caller): back to the null block's page + the headroom.
+    Every batch leaves pages to give back: while requests run, the scheduler keeps a step's
+    worth mapped ahead."""
     import time
+
+    def shrunk(rank: dict) -> bool:
+        return not rank or rank["kv_mapped_bytes"] <= rank["idle_pages"] * rank["page_bytes"]
 
     deadline = time.monotonic() + 20
     stats = llm.collective_rpc(_worker_stats)
-    while time.monotonic() < deadline and stats[0] and stats[0]["kv_pages_unmapped_total"] == 0:
+    while time.monotonic() < deadline and not all(map(shrunk, stats)):
         time.sleep(0.2)
         stats = llm.collective_rpc(_worker_stats)
     return stats
@@ -99,23 +110,77 @@ def test_vmm_token_ids_match_default_memory_follows_load_and_limit(kv_model):
     assert ids == ref_ids + ref_ids[:8]
     assert ref_stats[0] == [{}]  # option off: no page table
 
-    start = stats[0][0]
+    start, idle = stats[0][0], stats[1][0]
     page = start["page_bytes"]
-    assert start["kv_mapped_bytes"] == 2 * page  # the null block's page + 1 headroom page
-    after_first = stats[1][0]
-    # 8 x 608 tokens need 40 blocks of 128 tokens; startup maps 31 usable blocks (2 pages of
-    # 16), so the first batch mapped more pages, and they were given back afterwards.
+    # Startup maps the null block's page and a step's worth ahead: 8192 tokens in blocks of
+    # 128 plus one block per request (8) is 72 blocks, 5 pages of 16.
+    assert start["ahead_pages"] == 5
+    # (Counted, not read from the mapped bytes: with no shrink delay the idle engine may give
+    # them back before the first read.)
+    assert start["kv_pages_mapped_total"] == 1 + start["ahead_pages"]
+    # Idle, the engine keeps the null block's page + 1 headroom page (31 usable blocks).
+    assert idle["kv_mapped_bytes"] == 2 * page
+    after_first = stats[2][0]
+    # 8 x 608 tokens need 40 blocks of 128 tokens, more than the 31 mapped when idle: pages
+    # were mapped ahead of demand behind the first steps (how many requests the first step
+    # holds depends on how fast they reach the engine; a step that needs more than what is
+    # mapped is test_vmm_burst_beyond_the_mapped_pages_in_one_step), and everything beyond
+    # the headroom went back afterwards.
+    assert after_first["kv_pages_mapped_ahead_total"] >= 1
+    assert after_first["kv_ahead_map_seconds"] > 0
     assert after_first["kv_mapped_bytes_peak"] >= 4 * page
-    assert after_first["kv_pages_mapped_total"] >= 4
-    assert after_first["kv_pages_unmapped_total"] >= 2
-    # Back within one headroom page of the startup mapping once requests are done.
-    for batch_stats in stats[1:4]:
-        assert batch_stats[0]["kv_mapped_bytes"] <= start["kv_mapped_bytes"]
-    assert stats[3][0]["kv_map_seconds"] > 0
+    assert after_first["kv_pages_unmapped_total"] > idle["kv_pages_unmapped_total"]
+    # Back to the idle mapping once requests are done.
+    for batch_stats in stats[2:5]:
+        assert batch_stats[0]["kv_mapped_bytes"] <= idle["kv_mapped_bytes"]
+    assert stats[4][0]["kv_map_seconds"] > 0
     # Under the lowered limit, the rerun never mapped more than 2 pages.
-    assert stats[4][0]["kv_mapped_bytes"] <= 2 * page
-    assert stats[4][0]["kv_pages_mapped_total"] == stats[3][0]["kv_pages_mapped_total"]
-    assert stats[5][0]["kv_page_limit"] == 64
+    assert stats[5][0]["kv_mapped_bytes"] <= 2 * page
+    assert stats[5][0]["kv_pages_mapped_total"] == stats[4][0]["kv_pages_mapped_total"]
+    assert stats[6][0]["kv_page_limit"] == 64
+
+
+def test_vmm_burst_beyond_the_mapped_pages_in_one_step(kv_model):
+    """One step that needs more KV pages than the idle engine has mapped: the step maps what
+    it needs before its forward pass, the scheduler then keeps a step's worth mapped ahead
+    (mapped by the worker after the forward pass is launched), and the token ids are those of
+    stock vLLM."""
+    from vllm import LLM, SamplingParams
+
+    # One prompt of 3000 tokens: 24 blocks of 128 tokens in one step (8192 tokens per step),
+    # while the idle engine keeps only the null block's page (15 usable blocks; no headroom).
+    prompt = [{"prompt_token_ids": [(17 * j) % 4000 + 1 for j in range(3000)]}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    results = {}
+    for backend in ("default", "vmm"):
+        vmm_args = {"kv_cache_vmm_headroom_pages": 0, "kv_cache_vmm_shrink_delay": 0}
+        llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
+                  enforce_eager=True, max_model_len=4096, max_num_seqs=8, seed=0,
+                  kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8192,
+                  kv_cache_memory_backend=backend, **(vmm_args if backend == "vmm" else {}))
+        try:
+            idle = _wait_idle_stats(llm)[0]
+            ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompt, params)]
+            results[backend] = ids, idle, _wait_idle_stats(llm)[0]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    assert results["vmm"][0] == results["default"][0]
+    _, idle, after = results["vmm"]
+    page = idle["page_bytes"]
+    assert idle["idle_pages"] == 1 and idle["kv_mapped_bytes"] == page
+    startup = idle["kv_pages_mapped_total"]  # the null block's page + a step's worth ahead
+    assert startup == 1 + idle["ahead_pages"]
+    # The burst's step mapped the 24 - 15 = 9 missing blocks (one page) before its forward...
+    needed = after["kv_pages_mapped_total"] - after["kv_pages_mapped_ahead_total"] - startup
+    assert needed == 1
+    # ... and a step's worth (72 blocks) ahead behind it, within the 16-page limit.
+    assert after["kv_pages_mapped_ahead_total"] >= 4
+    assert after["kv_ahead_map_seconds"] > 0
+    assert after["kv_mapped_bytes_peak"] >= (1 + needed + 4) * page
+    # Idle again: back to the null block's page.
+    assert after["kv_mapped_bytes"] == page
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 on CPU needs 2 cores")
@@ -163,9 +228,13 @@ def test_vmm_metrics_follow_load(kv_model):
     pages and the mapped bytes fall back within one headroom page once it is done."""
     from vllm import LLM, SamplingParams
 
+    # 1024 tokens per step: a step allocates at most 16 blocks (8 + one per request), one
+    # page, so what stays mapped ahead of demand is the headroom page and the counts below
+    # are those of the headroom alone.
     llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
+              max_num_batched_tokens=1024,
               kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1,
               kv_cache_vmm_shrink_delay=0, disable_log_stats=False)
     try:

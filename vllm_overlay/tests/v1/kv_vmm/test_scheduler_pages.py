@@ -9,7 +9,12 @@ from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
     make_block_hash_with_group_id,
 )
-from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy
+from vllm.v1.kv_vmm.pages import (
+    KVPageOps,
+    KVPagePolicy,
+    initial_kv_pages,
+    kv_step_blocks,
+)
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 
 BPP = 4  # blocks per page
@@ -22,6 +27,7 @@ def make_pool(
     shrink: str = "idle",
     shrink_delay_s: float = 0.0,
     enable_caching: bool = True,
+    ahead_blocks: int = 0,
 ) -> PagedBlockPool:
     policy = KVPagePolicy(
         granularity=2 << 20,
@@ -30,6 +36,7 @@ def make_pool(
         headroom_pages=headroom,
         shrink=shrink,  # type: ignore[arg-type]
         shrink_delay_s=shrink_delay_s,
+        ahead_blocks=ahead_blocks,
     )
     return PagedBlockPool(
         num_gpu_blocks=num_blocks,
@@ -69,10 +76,11 @@ def test_fills_mapped_pages_before_mapping_new_ones():
     assert pages_of(first) == {0, 1}
     assert pool.num_mapped_pages == 2
     ops = pool.take_page_ops()  # headroom: one free page mapped ahead
-    assert ops == KVPageOps(map=[2], unmap=[])
+    assert ops == KVPageOps(ahead=[2])
     more = pool.get_new_blocks(6)
     assert pages_of(more) == {2, 3}
-    assert pool.take_page_ops() == KVPageOps(map=[3, 4], unmap=[])
+    # Page 3 holds blocks this step uses: mapped before its forward pass.
+    assert pool.take_page_ops() == KVPageOps(map=[3], ahead=[4])
 
 
 def test_reuses_freed_blocks_of_mapped_pages():
@@ -88,7 +96,7 @@ def test_reuses_freed_blocks_of_mapped_pages():
 def test_idle_shrink_returns_to_headroom_and_evicts_cached_blocks():
     pool = make_pool(headroom=1)
     blocks = pool.get_new_blocks(20)
-    assert pool.take_page_ops() == KVPageOps(map=[2, 3, 4, 5, 6], unmap=[])
+    assert pool.take_page_ops() == KVPageOps(map=[2, 3, 4, 5], ahead=[6])
     for i, block in enumerate(blocks):
         cache(pool, block, i)
     assert not pool.wants_page_step()  # blocks in use: nothing to give back
@@ -294,3 +302,57 @@ def test_usage_and_prefix_cache_reset_ignore_blocks_beyond_the_limit():
     assert len(pool.cached_block_hash_to_block) == 0
     # Nothing else changed: admission still sees the limit.
     assert pool.get_num_free_blocks() == 27
+
+
+def test_a_step_of_blocks_stays_mapped_ahead_while_requests_run():
+    # A step allocates at most 6 blocks: two pages of 4 stay mapped ahead.
+    pool = make_pool(headroom=1, ahead_blocks=6, shrink_delay_s=0.0)
+    assert pool.policy.ahead_pages == 2
+    assert pool.num_mapped_pages == 3  # the null block's page + a step's worth
+    first = pool.get_new_blocks(3)
+    assert pool.take_page_ops() is None  # 8 free blocks: more than a step needs
+    second = pool.get_new_blocks(5)
+    # 3 free blocks left: the next page is mapped ahead, not before a forward.
+    assert pool.take_page_ops() == KVPageOps(ahead=[3])
+    # A step that needs more than was mapped ahead maps the rest before its
+    # forward pass, and the refill behind it goes ahead again.
+    third = pool.get_new_blocks(12)
+    assert pool.take_page_ops() == KVPageOps(map=[4, 5], ahead=[6])
+    assert pool.free_block_queue.num_free_blocks >= 6
+    # Idle: no refill beyond the headroom; the shrink keeps only the headroom.
+    pool.free_blocks(first + second + third)
+    ops = pool.take_page_ops()
+    assert ops is not None and not ops.map and not ops.ahead
+    assert sorted(ops.unmap) == [2, 3, 4, 5, 6]
+    assert pool.num_mapped_pages == 2
+    assert pool.take_page_ops() is None
+
+
+def test_ahead_blocks_of_an_idle_pool_are_not_mapped_back():
+    pool = make_pool(headroom=0, ahead_blocks=8)
+    assert pool.num_mapped_pages == 3
+    pool.take_page_ops()
+    assert pool.idle
+    ops = pool.take_page_ops() or KVPageOps()
+    assert not ops.ahead and not ops.map
+    assert pool.num_mapped_pages == 1  # only the null block's page when idle
+
+
+def test_startup_mapping_is_capped_by_the_limit():
+    policy = KVPagePolicy(
+        granularity=2 << 20, blocks_per_page=BPP, max_pages=2, ahead_blocks=100
+    )
+    assert initial_kv_pages(policy) == [0, 1]
+    policy.ahead_blocks = 0
+    policy.headroom_pages = 0
+    assert initial_kv_pages(policy) == [0]
+
+
+def test_step_blocks_bound():
+    # 8192 tokens in 16-token blocks, plus one partly filled block per request.
+    assert kv_step_blocks(8192, 256, [16]) == 512 + 256
+    # A step never schedules more requests than tokens.
+    assert kv_step_blocks(64, 1024, [16]) == 4 + 64
+    # Each KV cache group allocates its own blocks from the shared pool.
+    assert kv_step_blocks(8192, 256, [16, 32]) == (512 + 256) + (256 + 256)
+

@@ -149,6 +149,16 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
         assert backed(999) == {False}
         assert mapper.mapped_bytes == 2 * policy.page_bytes
         assert mapper.stats()["kv_pages_unmapped_total"] == 1
+
+        # Pages mapped ahead: not before the forward pass (apply), only
+        # after it is launched (apply_ahead).
+        ahead = KVPageOps(ahead=[2])
+        mapper.apply(ahead)
+        assert backed(512) == {False}
+        mapper.apply_ahead(ahead)
+        assert backed(512) == {True} and backed(999) == {False}
+        assert mapper.stats()["kv_pages_mapped_ahead_total"] == 1
+        assert mapper.mapped_bytes == 3 * policy.page_bytes
     finally:
         mapper.close()
 

@@ -5,8 +5,11 @@
 The engine core fixes one :class:`KVPagePolicy` for every rank and the
 scheduler before anything is allocated, so a page id means the same block
 ids everywhere. The scheduler sends :class:`KVPageOps` in each step message;
-every TP and PP rank applies them to its own shard of the KV memory before
-its forward pass. No rank guesses the world size and no thread is started.
+every TP and PP rank applies them to its own shard of the KV memory: the
+pages the step itself needs before its forward pass, the pages mapped ahead
+of demand right after the forward pass is launched, on the same thread, so
+the driver calls overlap the device's work. No rank guesses the world size
+and no thread is started.
 """
 
 import math
@@ -17,28 +20,13 @@ from typing import TYPE_CHECKING, Literal
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 
 if TYPE_CHECKING:
-    from vllm.config import CacheConfig
+    from vllm.config import CacheConfig, SchedulerConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: Granularity of the page arithmetic. 2 MiB is the host backend's default
 #: and the CUDA VMM granularity of current data-center GPUs; the worker
 #: refuses a backend whose granularity does not divide it.
 KV_PAGE_GRANULARITY = 2 << 20
-
-#: Smallest physical allocation per KV tensor region that pages are sized for
-#: on CUDA when --kv-cache-vmm-page-bytes is not given. The driver's cost of
-#: mapping memory is per call, not per byte (cuMemCreate + cuMemMap +
-#: cuMemSetAccess: about 2.3 ms for 144 MiB in 2 MiB allocations, 0.3 ms in
-#: 16 MiB ones, 0.07 ms in 72 MiB ones, on an H200), and the first burst that
-#: needs most of the KV cache maps it on its critical path: on an H200, a
-#: prefill-heavy first burst ran 1.5% slower than stock with 16 MiB
-#: allocations and 0.4% with 64 MiB ones. The price is coarser elasticity: an
-#: idle engine keeps two pages (the null block's and the headroom).
-KV_PAGE_MIN_CHUNK_BYTES = 64 << 20
-
-#: ... but automatic sizing keeps at least this many pages in the KV budget,
-#: so a small KV cache stays elastic.
-KV_PAGE_MIN_COUNT = 16
 
 KVPageShrinkPolicy = Literal["idle", "never"]
 
@@ -62,17 +50,34 @@ class KVPagePolicy:
     page_bytes: int = 0
     """Physical bytes one page takes, summed over the engine's ranks (for
     the mapped-bytes metric; 0 when unknown)."""
+    ahead_blocks: int = 0
+    """Free blocks the scheduler keeps mapped while requests run: the most
+    one step can allocate, so that a step never waits for a page map in
+    steady state (see :func:`kv_step_blocks`). At least the headroom."""
+
+    @property
+    def ahead_pages(self) -> int:
+        """Pages that hold :attr:`ahead_blocks` (the headroom at least)."""
+        pages = -(-self.ahead_blocks // self.blocks_per_page)
+        return max(self.headroom_pages, pages)
 
 
 @dataclass
 class KVPageOps:
-    """Page ids to unmap, then to map, before the next forward pass."""
+    """Page changes of one step, in the order every rank applies them.
+
+    ``unmap`` then ``map`` before the forward pass (``map``: pages holding
+    blocks this step uses); ``ahead`` right after the forward pass is
+    launched (pages whose blocks the scheduler hands out from the next step
+    on, so their driver calls overlap the device's work).
+    """
 
     map: list[int] = field(default_factory=list)
     unmap: list[int] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.map or self.unmap)
+        return bool(self.map or self.unmap or self.ahead)
 
 
 @dataclass
@@ -235,50 +240,63 @@ def virtual_kv_cache_config(
 
 def initial_kv_pages(policy: KVPagePolicy) -> list[int]:
     """Pages mapped at startup on every rank, before any step message: the
-    null block's page and the headroom."""
-    return list(range(min(1 + policy.headroom_pages, max(policy.max_pages, 1))))
+    null block's page and a step's worth of pages ahead, so the first burst
+    does not map on its critical path. An idle engine gives the pages beyond
+    the headroom back after the shrink delay."""
+    return list(range(min(1 + policy.ahead_pages, max(policy.max_pages, 1))))
+
+
+def kv_step_blocks(
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    block_sizes: Sequence[int],
+) -> int:
+    """The most blocks one scheduler step can allocate from the shared pool.
+
+    Each KV cache group allocates its own blocks for the step's tokens: at
+    most ``ceil(tokens / block_size)`` plus one per request whose tokens
+    start inside a partly filled block, and a step schedules at most
+    ``min(max_num_seqs, max_num_batched_tokens)`` requests.
+    """
+    num_reqs = min(max_num_seqs, max_num_batched_tokens)
+    return sum(-(-max_num_batched_tokens // bs) + num_reqs for bs in block_sizes)
 
 
 def kv_page_multiple(
     cache_config: "CacheConfig",
     unit_geometries: "list[KVPageGeometry]",
     budget_units: int,
-    min_chunk_bytes: int,
 ) -> int:
-    """How many smallest mappable units make one page."""
-    # One unit per rank: its geometry's pages times pages_per_segment.
+    """How many smallest mappable units make one page: enough for
+    ``--kv-cache-vmm-page-bytes`` on the rank with the largest share, else
+    one (the finest elasticity; the driver's per-call map cost is kept off
+    the critical path by mapping a step's worth of pages ahead)."""
     page_bytes = cache_config.kv_cache_vmm_page_bytes
-    if page_bytes is not None:
-        # At least the asked size on the rank with the largest share.
-        largest = max(g.page_bytes * g.pages_per_segment for g in unit_geometries)
-        multiple = max(1, -(-page_bytes // largest))
-        if multiple > budget_units:
-            raise ValueError(
-                f"--kv-cache-vmm-page-bytes {page_bytes} is larger than the KV "
-                f"cache ({budget_units * largest} bytes on the largest rank); "
-                "give a smaller page size or leave it unset"
-            )
-        return multiple
-    smallest_chunk = min(
-        b * g.pages_per_segment for g in unit_geometries for b in g.page_region_bytes
-    )
-    multiple = -(-min_chunk_bytes // smallest_chunk) if min_chunk_bytes else 1
-    return max(1, min(multiple, budget_units // KV_PAGE_MIN_COUNT))
+    if page_bytes is None:
+        return 1
+    # One unit per rank: its geometry's pages times pages_per_segment.
+    largest = max(g.page_bytes * g.pages_per_segment for g in unit_geometries)
+    multiple = max(1, -(-page_bytes // largest))
+    if multiple > budget_units:
+        raise ValueError(
+            f"--kv-cache-vmm-page-bytes {page_bytes} is larger than the KV "
+            f"cache ({budget_units * largest} bytes on the largest rank); "
+            "give a smaller page size or leave it unset"
+        )
+    return multiple
 
 
 def make_kv_page_policy(
     cache_config: "CacheConfig",
     kv_cache_configs: "list[KVCacheConfig]",
     granularity: int = KV_PAGE_GRANULARITY,
-    min_chunk_bytes: int = 0,
+    ahead_blocks: int = 0,
 ) -> KVPagePolicy:
     """One policy for all ranks, budget = the blocks profiling found.
 
     A page is the smallest unit every rank can map (its tensors' regions in
-    whole granules), times a multiple: ``--kv-cache-vmm-page-bytes`` when
-    given, otherwise enough for physical allocations of ``min_chunk_bytes``
-    per tensor region while the budget holds at least
-    :data:`KV_PAGE_MIN_COUNT` pages.
+    whole granules), or a multiple of it when ``--kv-cache-vmm-page-bytes``
+    asks for larger pages. ``ahead_blocks``: see :attr:`KVPagePolicy.ahead_blocks`.
     """
     unit = math.lcm(
         *(kv_page_geometry(c, granularity).blocks_per_page for c in kv_cache_configs)
@@ -286,7 +304,7 @@ def make_kv_page_policy(
     num_blocks = min(c.num_blocks for c in kv_cache_configs)
     unit_geometries = [kv_page_geometry(c, granularity, unit) for c in kv_cache_configs]
     blocks_per_page = unit * kv_page_multiple(
-        cache_config, unit_geometries, num_blocks // unit, min_chunk_bytes
+        cache_config, unit_geometries, num_blocks // unit
     )
     budget_pages = max(1, num_blocks // blocks_per_page)
     max_pages = cache_config.kv_cache_vmm_max_pages
@@ -304,21 +322,36 @@ def make_kv_page_policy(
         shrink=cache_config.kv_cache_vmm_shrink,
         shrink_delay_s=cache_config.kv_cache_vmm_shrink_delay,
         page_bytes=page_bytes,
+        ahead_blocks=ahead_blocks,
     )
 
 
 def set_kv_page_policy(
-    cache_config: "CacheConfig", kv_cache_configs: "list[KVCacheConfig]"
+    cache_config: "CacheConfig",
+    kv_cache_configs: "list[KVCacheConfig]",
+    scheduler_config: "SchedulerConfig | None" = None,
 ) -> KVPagePolicy | None:
-    """Attach the policy to every KV cache config when VMM is selected."""
+    """Attach the policy to every KV cache config when VMM is selected.
+
+    With ``scheduler_config``, the scheduler keeps a step's worth of blocks
+    mapped ahead of demand (:func:`kv_step_blocks`); without it, only the
+    headroom."""
     if cache_config.kv_cache_memory_backend != "vmm":
         return None
-    from vllm.platforms import current_platform
-
+    ahead_blocks = 0
+    if scheduler_config is not None:
+        ahead_blocks = kv_step_blocks(
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs,
+            [
+                group.kv_cache_spec.block_size
+                for group in kv_cache_configs[0].kv_cache_groups
+            ],
+        )
     policy = make_kv_page_policy(
         cache_config,
         kv_cache_configs,
-        min_chunk_bytes=KV_PAGE_MIN_CHUNK_BYTES if current_platform.is_cuda() else 0,
+        ahead_blocks=ahead_blocks,
     )
     for config in kv_cache_configs:
         config.kv_page_policy = policy

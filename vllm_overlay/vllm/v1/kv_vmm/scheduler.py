@@ -8,6 +8,14 @@ they run out. Blocks of unmapped pages still count as free up to the
 physical limit, so admission works as with a fully allocated cache. The
 decisions are queued as :class:`KVPageOps` and sent to every rank in the
 step message.
+
+While requests run, the pool keeps a step's worth of free blocks mapped
+(``KVPagePolicy.ahead_blocks``): pages mapped to refill it go in
+``KVPageOps.ahead``, which the workers map after launching the step's
+forward pass, and the scheduler hands their blocks out from the next step
+on. So in steady state no step waits for the driver; only a step that needs
+more than was mapped ahead (the first burst after an idle shrink) maps
+pages before its forward pass.
 """
 
 import time
@@ -120,7 +128,7 @@ class PagedBlockPool(BlockPool):
             self._grow(missing)
         return super().get_new_blocks(num_blocks)
 
-    def _grow(self, num_blocks: int) -> None:
+    def _grow(self, num_blocks: int, ahead: bool = False) -> None:
         new_pages: list[int] = []
         for page in range(self.num_pages):
             if num_blocks <= 0:
@@ -129,14 +137,16 @@ class PagedBlockPool(BlockPool):
                 continue
             new_pages.append(page)
             num_blocks -= len(self._page_blocks(page))
-        self._map(new_pages)
+        self._map(new_pages, ahead)
 
-    def _map(self, pages: list[int]) -> None:
+    def _map(self, pages: list[int], ahead: bool = False) -> None:
         if not pages:
             return
         self._mapped.update(pages)
         self._num_mapped_blocks += sum(len(self._page_blocks(p)) for p in pages)
-        self._pending.map.extend(pages)
+        # Blocks of pages mapped ahead are handed out from the next step on,
+        # after every rank mapped them behind this step's forward pass.
+        (self._pending.ahead if ahead else self._pending.map).extend(pages)
         self.num_pages_mapped_total += len(pages)
         # Fresh blocks go to the back: blocks already mapped, cached ones
         # included, are reused first.
@@ -182,19 +192,25 @@ class PagedBlockPool(BlockPool):
             # Keep the lowest free pages as headroom: pages stay compact.
             free = self._free_pages()
             self._unmap(free[: max(len(free) - policy.headroom_pages, 0)])
-        headroom = policy.headroom_pages * policy.blocks_per_page
-        short = headroom - self.free_block_queue.num_free_blocks
+        # While requests run, a step's worth of blocks stays mapped ahead; an
+        # idle pool keeps only the headroom (and gives the rest back after
+        # the shrink delay).
+        ahead = policy.headroom_pages * policy.blocks_per_page
+        if not self.idle:
+            ahead = max(ahead, policy.ahead_blocks)
+        short = ahead - self.free_block_queue.num_free_blocks
         if short > 0 and len(self._mapped) < policy.max_pages:
-            self._grow(min(short, self._growable_blocks()))
+            self._grow(min(short, self._growable_blocks()), ahead=True)
         if not self._pending:
             return None
         ops, self._pending = self._pending, KVPageOps()
         # A page unmapped and mapped again in the same step stays mapped.
-        both = set(ops.map) & set(ops.unmap)
+        both = set(ops.unmap) & (set(ops.map) | set(ops.ahead))
         if both:
             ops = KVPageOps(
                 map=[p for p in ops.map if p not in both],
                 unmap=[p for p in ops.unmap if p not in both],
+                ahead=[p for p in ops.ahead if p not in both],
             )
         return ops
 

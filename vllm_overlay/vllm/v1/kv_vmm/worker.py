@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Worker side of VMM-backed KV memory: the backing allocation of a rank's
 KV tensors over a virtual reservation, and the page changes the scheduler
-sends, applied before the forward pass."""
+sends: the step's own before its forward pass, the pages mapped ahead of
+demand right after the forward pass is launched."""
 
 import math
 import time
@@ -79,7 +80,9 @@ class KVPageMapper:
             before_segment_unmapped=before_segment_unmapped,
         )
         self.map_seconds = 0.0
+        self.ahead_map_seconds = 0.0
         self.num_pages_mapped_total = 0
+        self.num_pages_mapped_ahead_total = 0
         self.num_pages_unmapped_total = 0
         self.peak_mapped_bytes = 0
         self.apply(KVPageOps(map=initial_kv_pages(policy)))
@@ -118,7 +121,8 @@ class KVPageMapper:
         return [p for segment in pages for p in self.geometry.pages_of_segment(segment)]
 
     def apply(self, ops: KVPageOps) -> None:
-        """Unmap, then map; the device is synchronized before unmapping."""
+        """Before the forward pass: unmap, then map the pages the step uses;
+        the device is synchronized before unmapping."""
         start = time.perf_counter()
         if ops.unmap:
             unmapped = self.table.unmap_pages(self._table_pages(ops.unmap))
@@ -129,6 +133,19 @@ class KVPageMapper:
         self.map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
+    def apply_ahead(self, ops: KVPageOps) -> None:
+        """After the forward pass is launched: map the pages the scheduler
+        hands out from the next step on. Nothing in flight uses them, so the
+        driver calls overlap the device's work instead of delaying it."""
+        if not ops.ahead:
+            return
+        start = time.perf_counter()
+        mapped = self.table.map_pages(self._table_pages(ops.ahead))
+        self.num_pages_mapped_total += len(mapped)
+        self.num_pages_mapped_ahead_total += len(mapped)
+        self.ahead_map_seconds += time.perf_counter() - start
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
+
     def stats(self) -> dict[str, float]:
         pps = self.geometry.pages_per_segment
         return {
@@ -136,7 +153,9 @@ class KVPageMapper:
             "kv_mapped_bytes_peak": self.peak_mapped_bytes,
             "kv_pages_mapped_total": self.num_pages_mapped_total // pps,
             "kv_pages_unmapped_total": self.num_pages_unmapped_total // pps,
+            "kv_pages_mapped_ahead_total": self.num_pages_mapped_ahead_total // pps,
             "kv_map_seconds": self.map_seconds,
+            "kv_ahead_map_seconds": self.ahead_map_seconds,
         }
 
     def close(self) -> None:
@@ -275,3 +294,13 @@ def attention_layer_regions(
         )
         regions.update(dict.fromkeys(group.layer_names, n))
     return regions
+
+
+def map_kv_pages_ahead(model_runner: Any, scheduler_output: Any) -> None:
+    """The worker's call right after the model runner launched a step's
+    forward pass: map the step's pages ahead of demand (model runners
+    without VMM-backed KV memory have no ``kv_page_mapper``)."""
+    mapper = getattr(model_runner, "kv_page_mapper", None)
+    ops = getattr(scheduler_output, "kv_page_ops", None)
+    if mapper is not None and ops:
+        mapper.apply_ahead(ops)
