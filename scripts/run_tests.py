@@ -113,8 +113,6 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False) ->
                 # facebook/opt-125m): the offline hub cache of public configs serves them.
                 pytest(python, ["-m", "not gpu", "--timeout=600", *tests], release.tree,
                        f"{v} unit (series tests in tree)", results, {**offline_env(), **env})
-            if any((ROOT / "tests" / "unit").glob("test_*.py")):
-                pytest(python, ["--timeout=600", "tests/unit"], ROOT, f"{v} unit", results, env)
         elif tier == "engine":
             select = [] if slow else ["-m", "not slow"]
             pytest(python, ["--timeout=900", *select, "tests/engine"], ROOT, f"{v} engine",
