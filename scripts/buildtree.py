@@ -253,8 +253,9 @@ def apply_onto(tree: Path, release: Release, names: list[str], *, overlay: bool 
     """Apply to the tree's HEAD the overlay commit (if `overlay`) and then the patches `names`
     of the release's series, in order, stopping at the first that does not apply (the tree is
     then left in the middle of `git am`). The one apply loop of `make apply` and `make
-    check-series`, so the check tests what `make apply` does. `on_overlay(commit)` and `on_applied(name, merged)` run
-    after each step, so a caller can record progress before a later patch fails.
+    check-series`, so the check tests what `make apply` does. `on_overlay(commit)` and
+    `on_applied(name, merged)` run after each step, so a caller can record progress before a
+    later patch fails.
     Raises SeriesError if the overlay cannot be committed."""
     result = ApplyResult()
     if overlay:

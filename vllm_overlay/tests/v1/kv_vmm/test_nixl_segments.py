@@ -216,11 +216,12 @@ def test_strided_descriptors_expand_to_the_units_indices_count():
 class _HeldCompletion:
     """A real NIXL agent whose transfers report "PROC" until the test releases them.
 
-    A fake on purpose, and only for ordering: the transfer itself is real (UCX moves the
-    bytes between real host VMM pages), but whether it has finished is what the unmap has
-    to wait for, and a real transfer may finish inside transfer() or at any moment after.
-    Holding back the reported completion makes "the unmap runs while the transfer is in
-    flight" happen on every run instead of when the transfer loses a race.
+    A fake on purpose, and only for ordering: the transfer itself is real (UCX
+    moves the bytes between real host VMM pages), but whether it has finished is
+    what the unmap has to wait for, and a real transfer may finish inside
+    transfer() or at any moment after. Holding back the reported completion
+    makes "the unmap runs while the transfer is in flight" happen on every run
+    instead of when the transfer loses a race.
     """
 
     def __init__(self, agent) -> None:
@@ -304,7 +305,7 @@ def test_unmap_waits_for_transfers_that_touch_the_segment():
 
         unmapping = threading.Thread(target=unmap)
         unmapping.start()
-        assert held.held_query.wait(60), "the unmap never asked for the transfer's state"
+        assert held.held_query.wait(60), "the unmap never asked for the state"
         assert unmapping.is_alive()
         assert d_table.is_mapped(0)
         # ... and goes ahead once the transfer completes.
