@@ -57,10 +57,10 @@ test-installed:  ## tests/gpu and the overlay's tests against the vLLM $(PYTHON)
 	$(S)/run_tests.py --installed
 
 upstream-test:  ## vLLM's own curated tests, offline: patched tree vs the stock baseline
-	$(S)/upstream_test.py
+	$(S)/upstream_oracle.py
 
 upstream-baseline:  ## run the curated upstream tests on stock vX, write ci/upstream/vX.txt
-	$(S)/upstream_test.py --write-baseline
+	$(S)/upstream_oracle.py --write-baseline
 
 BENCH_OUT ?= build/bench
 bench:  ## benchmark suite, VMM KV vs stock side by side, into $(BENCH_OUT) (BENCH_ARGS="--quick ...")

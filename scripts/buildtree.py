@@ -16,7 +16,7 @@ import re
 import shutil
 import tarfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fetch import fetch_sdist
@@ -211,14 +211,21 @@ def _hunk_at(patch_text: str, file: str, line: int | None) -> str:
     return ""
 
 
-def apply_patch(tree: Path, patch: Path) -> tuple[PatchFailure | None, bool]:
-    """git am --3way one patch. Returns (failure or None, applied-with-3-way-merge)."""
-    proc = git(tree, "am", "--3way", "--keep-non-patch", "--keep-cr",
+def apply_patch(tree: Path, patch: Path,
+                three_way: bool = True) -> tuple[PatchFailure | None, bool]:
+    """git am one patch. Returns (failure or None, applied-with-3-way-merge).
+
+    Without `three_way`, a patch whose context does not match the tree exactly fails instead
+    of being merged (what a patch queue must do: a merge hides that the patch went stale)."""
+    # `git am --quiet` says nothing when it falls back to a merge: ask beforehand whether the
+    # patch applies as it is.
+    exact = not three_way or git(tree, "apply", "--check", str(patch), check=False).returncode == 0
+    proc = git(tree, "am", *(["--3way"] if three_way else []), "--keep-non-patch", "--keep-cr",
                "--committer-date-is-author-date", "--quiet", str(patch),
                check=False, dated=False)
     out = proc.stdout or ""
     if proc.returncode == 0:
-        return None, ("Falling back to" in out or "three-way" in out.lower())
+        return None, not exact
     file, line = "", None
     # With --3way, git am may report only the failed merge; a plain check names file and line.
     check = git(tree, "apply", "--check", "--verbose", str(patch), check=False).stdout or ""
@@ -232,6 +239,41 @@ def apply_patch(tree: Path, patch: Path) -> tuple[PatchFailure | None, bool]:
             file = m.group(1).strip()
     hunk = _hunk_at(patch.read_text(errors="replace"), file, line) if file else ""
     return PatchFailure(patch.name, file, line, hunk, out.strip()), False
+
+
+@dataclass
+class ApplyResult:
+    overlay_commit: str | None = None
+    applied: list[str] = field(default_factory=list)
+    merged: list[str] = field(default_factory=list)  # applied only through a 3-way merge
+    failure: PatchFailure | None = None
+
+
+def apply_onto(tree: Path, release: Release, names: list[str], *, overlay: bool = True,
+               three_way: bool = True, on_overlay=None, on_applied=None) -> ApplyResult:
+    """Apply to the tree's HEAD the overlay commit (if `overlay`) and then the patches `names`
+    of the release's series, in order, stopping at the first that does not apply (the tree is
+    then left in the middle of `git am`). The one apply loop of `make apply` and `make
+    check-series`, so the check tests what `make apply` does. `on_overlay(commit)` and
+    `on_applied(name, merged)` run after each step, so a caller can record progress before a
+    later patch fails.
+    Raises SeriesError if the overlay cannot be committed."""
+    result = ApplyResult()
+    if overlay:
+        result.overlay_commit = commit_overlay(tree, release)
+        if on_overlay is not None:
+            on_overlay(result.overlay_commit)
+    for name in names:
+        failure, merged = apply_patch(tree, release.series_dir / name, three_way=three_way)
+        if failure:
+            result.failure = failure
+            return result
+        result.applied.append(name)
+        if merged:
+            result.merged.append(name)
+        if on_applied is not None:
+            on_applied(name, merged)
+    return result
 
 
 def failure_error(tree: Path, release: Release, f: PatchFailure) -> SeriesError:
@@ -286,27 +328,31 @@ def apply_series(release: Release, log=print) -> str:
                 f"{keep} patches), nothing to do")
 
     git(tree, "reset", "-q", "--hard", base)
-    if overlay_state is None:
-        commit = commit_overlay(tree, release)
-        overlay_state = {"commit": commit, "digest": want_overlay}
-        log(f"overlay: {len(overlay_files())} files committed")
     state = {"overlay": overlay_state, "patches": patches_state}
-    write_state(tree, state)
-    merged = []
-    for name, digest in want[keep:]:
-        failure, three_way = apply_patch(tree, release.series_dir / name)
-        if failure:
-            state["pending"] = [n for n, _ in want[want.index((name, digest)):]]
-            write_state(tree, state)
-            raise failure_error(tree, release, failure)
-        state["patches"].append(
-            {"name": name, "digest": digest, "commit": git_out(tree, "rev-parse", "HEAD")})
+    digests = dict(want)
+
+    def overlay_done(commit: str) -> None:
+        state["overlay"] = {"commit": commit, "digest": want_overlay}
         write_state(tree, state)
-        if three_way:
-            merged.append(name)
-        log(f"applied {name}" + (" (3-way merge)" if three_way else ""))
-    if merged:
-        log(f"warning: {', '.join(merged)} applied only through a 3-way merge; run "
+        log(f"overlay: {len(overlay_files())} files committed")
+
+    def patch_done(name: str, merged: bool) -> None:
+        state["patches"].append(
+            {"name": name, "digest": digests[name], "commit": git_out(tree, "rev-parse", "HEAD")})
+        write_state(tree, state)
+        log(f"applied {name}" + (" (3-way merge)" if merged else ""))
+
+    if overlay_state is not None:
+        write_state(tree, state)
+    names = [n for n, _ in want[keep:]]
+    result = apply_onto(tree, release, names, overlay=overlay_state is None,
+                        on_overlay=overlay_done, on_applied=patch_done)
+    if result.failure:
+        state["pending"] = names[len(result.applied):]
+        write_state(tree, state)
+        raise failure_error(tree, release, result.failure)
+    if result.merged:
+        log(f"warning: {', '.join(result.merged)} applied only through a 3-way merge; run "
             f"`make refresh VLLM_VERSION={release.version}` so the series applies exactly.")
     return (f"vLLM {release.version}: applied pristine {release.tag} + overlay + {len(want)} "
             f"patches in {tree}")

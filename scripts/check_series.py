@@ -2,62 +2,58 @@
 """Apply the series of every release in ci/matrix.toml to its pristine tree; print a table.
 
   python3 scripts/check_series.py            # every release; exit 1 if any fails
+  python3 scripts/check_series.py --3way     # let patches apply through a 3-way merge
 
 Each check runs in a throwaway git worktree of build/vllm-X at tag vX, so the build trees and
-any work in them are left alone.
+any work in them are left alone. It applies the overlay and the series with the same code as
+`make apply` (buildtree.apply_onto). By default every patch must apply as it is: one whose
+context no longer matches fails, because a merge would hide that the patch went stale
+(`make refresh` after `make apply` rewrites it). With --3way such a patch passes and is
+named in the result.
 """
 
 from __future__ import annotations
 
-import shutil
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from buildtree import apply_patch, commit_overlay, ensure_pristine  # noqa: E402
-from seriestool import SeriesError, build_dir, git, load_matrix, main_guard, read_series  # noqa: E402
+from buildtree import apply_onto, ensure_pristine, scratch_worktree  # noqa: E402
+from seriestool import SeriesError, load_matrix, main_guard, read_series  # noqa: E402
 
 
-def check_release(release) -> tuple[int, str]:
+def check_release(release, three_way: bool = False) -> tuple[int, str]:
     """(number of patches, result text) for one release."""
     try:
         _, names = read_series(release)
         tree = ensure_pristine(release)
     except SeriesError as e:
         return 0, f"ERROR: {e.problem.splitlines()[0]}"
-    wt = build_dir() / ".check" / f"vllm-{release.version}"
-    git(tree, "worktree", "remove", "--force", str(wt), check=False)
-    shutil.rmtree(wt, ignore_errors=True)
-    git(tree, "worktree", "prune")
-    wt.parent.mkdir(parents=True, exist_ok=True)
-    git(tree, "worktree", "add", "-q", "--detach", str(wt), release.tag)
-    try:
+    with scratch_worktree(tree, release.tag, "check") as wt:
         try:
-            commit_overlay(wt, release)
+            result = apply_onto(wt, release, names, three_way=three_way)
         except SeriesError as e:
             return len(names), f"FAIL at overlay: {e.problem.splitlines()[0]}"
-        merged = []
-        for name in names:
-            failure, three_way = apply_patch(wt, release.series_dir / name)
-            if failure:
-                where = failure.file + (f":{failure.line}" if failure.line else "")
-                return len(names), f"FAIL at {name} ({where or 'see make apply'})"
-            if three_way:
-                merged.append(name)
-        if merged:
-            return len(names), f"OK (3-way merge needed: {', '.join(merged)})"
-        return len(names), "OK"
-    finally:
-        git(tree, "worktree", "remove", "--force", str(wt), check=False)
-        shutil.rmtree(wt, ignore_errors=True)
-        git(tree, "worktree", "prune", check=False)
-
+    failure = result.failure
+    if failure:
+        where = failure.file + (f":{failure.line}" if failure.line else "")
+        how = "" if three_way else "; does not apply cleanly, see --3way"
+        return len(names), f"FAIL at {failure.patch} ({where or 'see make apply'}{how})"
+    if result.merged:
+        return len(names), f"OK (3-way merge: {', '.join(result.merged)})"
+    return len(names), "OK"
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--3way", dest="three_way", action="store_true",
+                    help="let a patch whose context changed apply through a 3-way merge "
+                         "(reported as such) instead of failing")
+    args = ap.parse_args()
     _, releases = load_matrix()
     rows = []
     for version in sorted(releases, key=lambda v: tuple(int(x) for x in v.split("."))):
-        n, result = check_release(releases[version])
+        n, result = check_release(releases[version], three_way=args.three_way)
         rows.append((version, str(n), result))
     head = ("release", "patches", "result")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(3)]

@@ -50,7 +50,7 @@ FINDER = '''\
 """Editable install of a vLLM build tree: maps the `vllm` package (only) to the tree.
 
 KVSERIES_VLLM_TREE=<another vLLM source tree of the same release> maps `import vllm` there
-instead (e.g. the stock tree that scripts/upstream_test.py compares against). PYTHONPATH cannot
+instead (e.g. the stock tree that scripts/upstream_oracle.py compares against). PYTHONPATH cannot
 do this: this finder comes first on sys.meta_path.
 """
 import importlib.abc

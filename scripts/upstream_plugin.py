@@ -1,4 +1,4 @@
-"""pytest plugin for scripts/upstream_test.py: one outcome per test, and the known-unrunnable
+"""pytest plugin for scripts/upstream_oracle.py: one outcome per test, and the known-unrunnable
 tests taken out of the run (with their reason kept for the report).
 
 Loaded with `-p upstream_plugin` (scripts/ on PYTHONPATH). Reads KVSERIES_UPSTREAM_UNRUNNABLE

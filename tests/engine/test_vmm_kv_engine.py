@@ -274,17 +274,30 @@ def test_vmm_metrics_follow_load(kv_model):
         gc.collect()
 
 
+def _kv_memfd(worker) -> tuple[int, int]:
+    """The worker's pid and the fd of the memfd behind its KV pages."""
+    return os.getpid(), worker.model_runner.kv_page_mapper.table.backend._fd
+
+
 def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
     """--kv-cache-vmm-shrink-delay: a burst right after another (within the delay) maps no
     new page, and once the engine has stayed idle for the delay it gives the pages back by
-    itself. The last read is the only request after the bursts: the engine answers it before
-    any step it could trigger, so the pages were given back by a step the engine woke up for
-    on its own."""
+    itself.
+
+    The exact delay arithmetic (due time, restart on a new burst, 0 and "never") is covered
+    with an injected clock in tests/v1/kv_vmm/test_scheduler_pages.py and
+    test_scheduler_wiring.py. The engine core runs in its own process on the real clock, so
+    this test bounds its waits by events instead of by sleeps: it watches the worker's KV
+    memory (the memfd's allocated blocks, which an unmap punches out) from outside, without
+    sending the engine anything that could make it step, and fails only past a generous
+    deadline."""
     import time
 
     from vllm import LLM, SamplingParams
 
-    delay = 2.0
+    # Long enough that submitting the second burst can never race the shrink: the idle
+    # clock starts no earlier than the first burst's submission.
+    delay = 8.0
     llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
@@ -293,14 +306,26 @@ def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
         start = llm.collective_rpc(_worker_stats)[0]
+        pid, fd = llm.collective_rpc(_kv_memfd)[0]
+
+        def resident_bytes() -> int:
+            return os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+
         # Two bursts of the same shape (8 x 600 tokens: 40 blocks, more than the 31 of the
         # startup pages) with different tokens, so the second reuses no cached block.
         first = _prompts()[0]
         second = [[(11 * i + 5 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
+        first_submitted = time.monotonic()
         llm.generate([{"prompt_token_ids": p} for p in first], params)
         after_first = llm.collective_rpc(_worker_stats)[0]
+        second_submitted = time.monotonic()
+        # The precondition of the reuse check, not a timing assertion on the engine: if the
+        # first burst alone took longer than the delay, the pages may rightly have been
+        # given back in between and the check below would say nothing.
+        assert second_submitted - first_submitted < delay / 2, (
+            f"the first burst took {second_submitted - first_submitted:.1f} s; "
+            f"the test needs it well within the {delay} s shrink delay")
         llm.generate([{"prompt_token_ids": p} for p in second], params)
-        done = time.monotonic()
         after_second = llm.collective_rpc(_worker_stats)[0]
         assert after_first["kv_pages_mapped_total"] > start["kv_pages_mapped_total"]
         assert after_first["kv_mapped_bytes"] > start["kv_mapped_bytes"]
@@ -309,9 +334,19 @@ def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
         assert after_second["kv_pages_unmapped_total"] == 0
         assert after_second["kv_mapped_bytes"] == after_first["kv_mapped_bytes"]
 
-        time.sleep(delay + 3.0)
+        # Wait for the shrink by watching memory only: nothing reaches the engine core
+        # until the pages are gone, so the step that gave them back is one it woke up for
+        # by itself.
+        busy = resident_bytes()
+        deadline = second_submitted + delay + 120
+        while resident_bytes() >= busy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        shrunk_at = time.monotonic()
+        assert resident_bytes() < busy, "the idle engine never gave its KV pages back"
+        # The pool went idle after the second burst was submitted, so the shrink cannot
+        # have come earlier than the delay after that.
+        assert shrunk_at - second_submitted >= delay
         idle = llm.collective_rpc(_worker_stats)[0]
-        assert time.monotonic() - done >= delay
         assert idle["kv_pages_unmapped_total"] > 0
         # Back to the startup mapping: the null block's page and one headroom page.
         assert idle["kv_mapped_bytes"] == start["kv_mapped_bytes"]

@@ -161,6 +161,42 @@ def test_check_series_prints_table(project: Project):
     assert project.git(V2, "log", "-1", "--format=%s") == f"vLLM {V2} (pristine sdist)"
 
 
+def test_check_series_refuses_a_patch_that_needs_a_3way_merge(project: Project):
+    # B is made on the pristine tree; A, applied before it, changes a line of B's context
+    # (not one B changes), so B applies only through a 3-way merge with its preimage blob.
+    add_patch(project, V1, "vllm/core.py", "return x + 6\n", "return x + 60\n", "[Core] Sixty")
+    series_dir = project.patches / f"v{V1}"
+    b_text = (series_dir / "0001-Core-Sixty.patch").read_bytes()
+    shutil.rmtree(project.tree(V1))
+    for p in series_dir.iterdir():
+        p.unlink()
+    (series_dir / "series").write_text("# series of the fixture\n")
+    add_patch(project, V1, "vllm/core.py", "return x + 5\n\n\ndef f6",
+              "return x + 5\n\n# f6 follows\ndef f6", "[Core] Comment")
+    assert [p.name for p in series_dir.glob("*.patch")] == ["0001-Core-Comment.patch"]
+    (series_dir / "0002-Core-Sixty.patch").write_bytes(b_text)
+    with (series_dir / "series").open("a") as f:
+        f.write("0002-Core-Sixty.patch\n")
+    head = project.git(V1, "rev-parse", "HEAD")
+
+    strict = project.run("check_series.py", check=False)
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    rows = {ln.split()[0]: ln for ln in strict.stdout.splitlines()[2:]}
+    assert "FAIL at 0002-Core-Sixty.patch (vllm/core.py" in rows[V1]
+    assert "--3way" in rows[V1]
+    assert rows[V2].split()[1:] == ["0", "OK"]
+
+    merged = project.run("check_series.py", "--3way", check=False)
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    rows = {ln.split()[0]: ln for ln in merged.stdout.splitlines()[2:]}
+    assert rows[V1].split(None, 2)[1:] == ["2", "OK (3-way merge: 0002-Core-Sixty.patch)"]
+    # The checks left the build tree alone; make apply merges the patch and says so.
+    assert project.git(V1, "rev-parse", "HEAD") == head
+    out = project.run("apply.py", "--version", V1).stdout
+    assert "applied 0002-Core-Sixty.patch (3-way merge)" in out
+    assert "only through a 3-way merge" in out
+
+
 def test_unknown_release_lists_supported(project: Project):
     proc = project.run("apply.py", "--version", "0.0.7", check=False)
     assert proc.returncode == 1

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import upstream_test as ut  # noqa: E402
+import upstream_oracle as ut  # noqa: E402
 from install import dist_info_name, finder_source  # noqa: E402
 from upstream_plugin import unrunnable_reason  # noqa: E402
 

@@ -56,13 +56,42 @@ def test_cuda_allocations_exportable():
     from vllm.v1.kv_vmm.cuda import CudaVmmBackend
 
     backend = CudaVmmBackend(torch.device("cuda", 0))
-    assert backend.granularity % (2 << 20) == 0
-    handle = backend.create(backend.granularity)
-    if backend.fd_exportable:
-        fd = backend.export_fd(handle)
-        try:
-            assert os.fstat(fd) is not None
-        finally:
-            os.close(fd)
-    backend.release(handle)
+    g = backend.granularity
+    assert g % (2 << 20) == 0
+    handle = backend.create(g)
+    if not backend.fd_exportable:
+        backend.release(handle)
+        backend.close()
+        pytest.skip("the device cannot export allocations as POSIX fds")
+    drv = backend._drv
+    va = backend.reserve(g)
+    backend.map(va, g, handle)
+    backend.set_access(va, g)
+    pattern = torch.arange(g, dtype=torch.int64, device=backend.device) % 251
+    backend.tensor(va, g).copy_(pattern.to(torch.uint8))
+    backend.synchronize()
+    # What a peer does with the fd: import it and map it at its own address.
+    # It must be the same physical memory, so it reads what was written above.
+    fd = backend.export_fd(handle)
+    try:
+        imported = backend._check(
+            drv.cuMemImportFromShareableHandle(
+                fd,
+                drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            ),
+            "cuMemImportFromShareableHandle",
+        )
+    finally:
+        os.close(fd)
+    va2 = backend.reserve(g)
+    try:
+        backend.map(va2, g, imported)
+        backend.set_access(va2, g)
+        seen = backend.tensor(va2, g).to(torch.int64)
+        assert torch.equal(seen, pattern)
+        backend.synchronize()
+        backend.unmap(va2, g)
+    finally:
+        backend._check(drv.cuMemRelease(imported), "cuMemRelease")
+        backend.free_reservation(va2, g)
     backend.close()

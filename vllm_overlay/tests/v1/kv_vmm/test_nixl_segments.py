@@ -39,6 +39,7 @@ def _side(
     block_bytes: int = BLOCK_BYTES,
     num_blocks: int = NUM_BLOCKS,
     granularity: int = 2 << 20,
+    wrap=None,
 ):
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -58,6 +59,8 @@ def _side(
     )
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
     agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    if wrap is not None:
+        agent = wrap(agent)
     registry = NixlSegmentRegistry(agent, "DRAM", 0)
     registry.attach(table)
     return backend, table, agent, registry, SegmentedXferAgent(agent, registry)
@@ -210,18 +213,55 @@ def test_strided_descriptors_expand_to_the_units_indices_count():
     assert flat_desc_rows(flat).tolist() == [list(r) for r in flat]
 
 
-def test_unmap_waits_for_transfers_that_touch_the_segment(monkeypatch):
+class _HeldCompletion:
+    """A real NIXL agent whose transfers report "PROC" until the test releases them.
+
+    A fake on purpose, and only for ordering: the transfer itself is real (UCX
+    moves the bytes between real host VMM pages), but whether it has finished is
+    what the unmap has to wait for, and a real transfer may finish inside
+    transfer() or at any moment after. Holding back the reported completion
+    makes "the unmap runs while the transfer is in flight" happen on every run
+    instead of when the transfer loses a race.
+    """
+
+    def __init__(self, agent) -> None:
+        import threading
+
+        self._agent = agent
+        self.released = threading.Event()
+        # Set once a state query was answered "PROC" because of the hold.
+        self.held_query = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def real_state(self, handle) -> str:
+        return self._agent.check_xfer_state(handle)
+
+    def transfer(self, handle, *args, **kwargs) -> str:
+        state = self._agent.transfer(handle, *args, **kwargs)
+        return state if self.released.is_set() or state == "ERR" else "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        state = self._agent.check_xfer_state(handle)
+        if self.released.is_set() or state == "ERR":
+            return state
+        self.held_query.set()
+        return "PROC"
+
+
+def test_unmap_waits_for_transfers_that_touch_the_segment():
+    import threading
+
     from vllm.v1.kv_vmm import VmmError
 
-    # Over shared memory UCX may finish a read inside transfer(); over TCP it
-    # is still in flight when transfer() returns.
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-
-    block = 64 << 20  # one block per page, large enough to stay in flight a while
-    sides = [_side(n, block_bytes=block, num_blocks=4) for n in ("prefill2", "decode2")]
+    block = 2 << 20  # one block per page
+    p_side = _side("prefill2", block_bytes=block, num_blocks=4)
+    d_side = _side("decode2", block_bytes=block, num_blocks=4, wrap=_HeldCompletion)
+    sides = [p_side, d_side]
     try:
-        _, p_table, p_agent, _, _ = sides[0]
-        _, d_table, _, d_registry, d_xfer = sides[1]
+        _, p_table, p_agent, _, _ = p_side
+        _, d_table, held, d_registry, d_xfer = d_side
         p_table.map_pages([0])
         d_table.map_pages([0, 1])
         _block(p_table, 0, block).fill_(5)
@@ -234,29 +274,52 @@ def test_unmap_waits_for_transfers_that_touch_the_segment(monkeypatch):
             remote, d_xfer.get_xfer_descs(_block_descs(p_table, block, 4), "DRAM")
         )
         handle = d_xfer.make_prepped_xfer("READ", local, [0], remote_descs, [0])
-        state = d_xfer.transfer(handle)
-        if state != "PROC":
-            pytest.skip(
-                f"the transfer finished before the unmap could race it ({state})"
-            )
+        assert d_xfer.transfer(handle) == "PROC"
+
+        # In flight: an unmap that may not wait is refused and the page stays mapped.
         d_registry.unmap_timeout_s = 0.0
         with pytest.raises(VmmError, match="cannot be unmapped"):
             d_table.unmap_pages([0])
         assert d_table.is_mapped(0)
         # Page 1 holds no block of the transfer: it unmaps at once.
         d_table.unmap_pages([1])
-        d_registry.unmap_timeout_s = 60.0
-        start = time.monotonic()
-        while (
-            d_xfer.check_xfer_state(handle) == "PROC" and time.monotonic() - start < 60
-        ):
+        assert not d_table.is_mapped(1)
+
+        # The bytes really arrive (the real transfer finishes on its own).
+        deadline = time.monotonic() + 60
+        while held.real_state(handle) == "PROC" and time.monotonic() < deadline:
             time.sleep(0.001)
+        assert held.real_state(handle) == "DONE"
         assert torch.all(_block(d_table, 0, block) == 5)
-        d_xfer.release_xfer_handle(handle)
-        d_table.unmap_pages([0])
+
+        # An unmap allowed to wait blocks while the transfer is reported in flight...
+        d_registry.unmap_timeout_s = 60.0
+        held.held_query.clear()
+        errors: list[BaseException] = []
+
+        def unmap() -> None:
+            try:
+                d_table.unmap_pages([0])
+            except BaseException as e:  # reported by the test thread below
+                errors.append(e)
+
+        unmapping = threading.Thread(target=unmap)
+        unmapping.start()
+        assert held.held_query.wait(60), "the unmap never asked for the state"
+        assert unmapping.is_alive()
+        assert d_table.is_mapped(0)
+        # ... and goes ahead once the transfer completes.
+        held.released.set()
+        unmapping.join(60)
+        assert not unmapping.is_alive()
+        assert errors == []
+        assert not d_table.is_mapped(0)
         assert d_registry.registered_ranges == []
+        d_xfer.release_xfer_handle(handle)
         d_xfer.remove_remote_agent(remote)
     finally:
+        # A failed check must not leave an unmap waiting on the hold.
+        d_side[2].released.set()
         for backend, table, _, registry, _ in reversed(sides):
             table.close()
             registry.close()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """vLLM's own tests as a regression oracle: the patched tree against the stock release.
 
-  python3 scripts/upstream_test.py --version 0.32.0                  # make upstream-test
-  python3 scripts/upstream_test.py --version 0.32.0 --write-baseline # make upstream-baseline
-  python3 scripts/upstream_test.py --version 0.32.0 --stock          # stock and patched, now
+  python3 scripts/upstream_oracle.py --version 0.32.0                  # make upstream-test
+  python3 scripts/upstream_oracle.py --version 0.32.0 --write-baseline # make upstream-baseline
+  python3 scripts/upstream_oracle.py --version 0.32.0 --stock          # stock and patched, now
 
 Runs the test files that ci/upstream/curated.toml lists for the release (vLLM's own tests, as
 shipped in its sdist) with the release's virtualenv (`make install`), offline:
