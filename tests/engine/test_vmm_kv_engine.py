@@ -298,9 +298,12 @@ def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
     # Long enough that submitting the second burst can never race the shrink: the idle
     # clock starts no earlier than the first burst's submission.
     delay = 8.0
+    # 1024 tokens per step: a step allocates at most one page of blocks, so the headroom page
+    # is all that stays mapped ahead and the startup mapping is the idle one.
     llm = LLM(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
+              max_num_batched_tokens=1024,
               kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1,
               kv_cache_vmm_shrink_delay=delay)
     try:
