@@ -6,6 +6,7 @@ per tensor region while the KV cache keeps at least KV_PAGE_MIN_COUNT pages."""
 
 import pytest
 
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 from vllm.config import CacheConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -15,8 +16,6 @@ from vllm.v1.kv_vmm.pages import (
     KV_PAGE_MIN_COUNT,
     kv_page_multiple,
 )
-
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 
 pytestmark = requires_vmm_kv_wiring
 
