@@ -24,7 +24,8 @@ shift), as multisets, so a second copy of a pristine finding in the same file co
 series adds exist only on the patched side: all their findings count.
 
 Tools are pip-installed once into build/lint-venv/<tool>-<version>/ (KVSERIES_BUILD moves
-build/). Exit status 1 when the series adds any finding.
+build/, KVSERIES_LINT_VENV the tool virtualenvs alone). Exit status 1 when the series adds any
+finding.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def tool_venv(name: str, requirements: list[str]) -> Path:
     fix = (f"Install it by hand (needs the package index, PyPI):\n"
            f"  python3 -m venv {venv} && {pip_cmd}\n"
            f"then run the lint again (delete {venv} to let the lint reinstall it).")
-    print(f"installing {', '.join(want)} into {venv}", flush=True)
+    print(f"installing {', '.join(want) or 'a bare virtualenv'} into {venv}", flush=True)
     made = run([sys.executable, "-m", "venv", str(venv)], check=False)
     if made.returncode != 0:
         raise SeriesError(f"cannot create the virtualenv {venv} for {name}:\n{made.stdout}", fix)
