@@ -5,7 +5,7 @@ export VLLM_VERSION
 VENV ?= build/venv-$(VLLM_VERSION)
 S := $(PYTHON) scripts
 
-.PHONY: help setup apply install smoke refresh export rebase check-series overlay-install \
+.PHONY: help setup apply install smoke refresh export rebase check-series lint overlay-install \
         overlay-uninstall test test-harness test-release test-gpu test-installed upstream-test \
         upstream-baseline hf-cache bench bench-doc clean-tree clean
 
@@ -34,6 +34,9 @@ rebase:  ## carry the series FROM=<release> TO=<release>; writes patches/vTO/ + 
 
 check-series:  ## apply every release's series to its pristine tree; print a table
 	$(S)/check_series.py
+
+lint:  ## vLLM's own pre-commit on what the series changes; fails on findings it adds vs pristine vX
+	$(S)/lint.py
 
 overlay-install:  ## lay the series over an installed vLLM: SITE=<site-packages>
 	$(S)/overlay_install.py --site "$(SITE)"

@@ -8,7 +8,8 @@
 
 For each release: `make apply`, `make install` (CPU kernels where the matrix says they install,
 else python-only), then the tiers with that release's virtualenv. Prints one table and a
-closing "N passed, N failed, N skipped" line summed over every pytest run.
+closing "N passed, N failed, N skipped" line summed over every pytest run (the lint tier
+counts one per check: passed when the series adds no finding).
 """
 
 from __future__ import annotations
@@ -87,6 +88,30 @@ def upstream(version: str, results: list) -> None:
     results.append((f"{version} upstream (vs stock)", rc, counts))
 
 
+def lint(version: str, results: list) -> None:
+    """vLLM's own pre-commit checks on what the series changes (scripts/lint.py). Counts: per
+    check, passed = the series adds no finding, failed = it adds some, skipped = the check does
+    not apply to the changed files (or cannot run offline)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        summary = Path(f.name)
+    cmd = [sys.executable, str(ROOT / "scripts" / "lint.py"), "--version", version,
+           "--summary-json", str(summary)]
+    print(f"\n=== {version} lint: {' '.join(cmd)}", flush=True)
+    rc = subprocess.call(cmd)
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    try:
+        for check in json.loads(summary.read_text()):
+            key = "skipped" if check["skipped"] else "failed" if check["added"] else "passed"
+            counts[key] += 1
+    except (json.JSONDecodeError, FileNotFoundError):
+        pass
+    finally:
+        summary.unlink(missing_ok=True)
+    if rc != 0 and counts["failed"] == 0:
+        counts["failed"] = 1  # the script itself failed (a tool that cannot be installed)
+    results.append((f"{version} lint (added vs pristine)", rc, counts))
+
+
 def run_release(release, tiers: list[str], results: list, slow: bool = False) -> None:
     v = release.version
     try:
@@ -123,6 +148,8 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False) ->
                    ROOT, f"{v} gpu", results)
         elif tier == "upstream":
             upstream(v, results)
+        elif tier == "lint":
+            lint(v, results)
         else:
             raise SeriesError(f"unknown test tier {tier!r} in ci/matrix.toml.")
 

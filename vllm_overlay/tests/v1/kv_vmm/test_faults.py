@@ -62,7 +62,7 @@ _CUDA_CHILD = textwrap.dedent(
     page = int(sys.argv[1])
     offset = geometry.region_offset(0, 0, page)
     table.tensors[0][offset : offset + 4096].fill_(1)
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     print("ACCESS OK")
     """
 )

@@ -44,7 +44,7 @@ def _peer(role: str, kind: str, conn: Any, results: Any) -> None:
         if kind == "cuda":
             from vllm.v1.kv_vmm.cuda import CudaVmmBackend
 
-            torch.cuda.set_device(0)
+            torch.accelerator.set_device_index(0)
             backend: Any = CudaVmmBackend(0)
             mem_type, dev_id = "VRAM", 0
         else:

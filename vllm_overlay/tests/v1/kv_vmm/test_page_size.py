@@ -6,13 +6,12 @@ tensor region)."""
 
 import pytest
 
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 from vllm.config import CacheConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.kv_vmm import KVPageGeometry, KVTensorLayout
 from vllm.v1.kv_vmm.pages import kv_page_multiple
-
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 
 pytestmark = requires_vmm_kv_wiring
 

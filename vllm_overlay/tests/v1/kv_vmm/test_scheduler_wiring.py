@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.v1.kv_vmm.utils import requires_kv_page_stats, requires_vmm_kv_wiring
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_vmm.pages import KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 from vllm.v1.request import RequestStatus
-
-from tests.v1.kv_vmm.utils import requires_kv_page_stats, requires_vmm_kv_wiring
 
 pytestmark = requires_vmm_kv_wiring
 

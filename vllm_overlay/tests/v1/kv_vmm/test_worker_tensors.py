@@ -7,6 +7,7 @@ Linux memory (the host backend)."""
 import pytest
 import torch
 
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -21,8 +22,6 @@ from vllm.v1.kv_vmm.worker import (
     attention_kv_regions,
     kv_tensor_regions,
 )
-
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 
 # Releases that place a rank's KV tensors in one backing allocation describe
 # the layout in the KV cache config (covered by the engine tests) and give the

@@ -43,11 +43,11 @@ class CudaVmmBackend(VmmBackend):
         drv = _driver()
         self._drv = drv
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"CudaVmmBackend needs a CUDA device, got {device}")
-        index = device.index if device.index is not None else 0
+            device = torch.accelerator.current_device_index()
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"CudaVmmBackend needs a CUDA device, got {dev}")
+        index = dev.index if dev.index is not None else 0
         self.device = torch.device("cuda", index)
         self._check(drv.cuInit(0), "cuInit")
         cu_device = self._check(drv.cuDeviceGet(index), "cuDeviceGet")
@@ -173,7 +173,7 @@ class CudaVmmBackend(VmmBackend):
         )
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        torch.accelerator.synchronize(self.device)
 
     def export_fd(self, handle: object) -> int:
         """A POSIX file descriptor for ``handle`` (the caller closes it)."""

@@ -15,7 +15,7 @@ and no thread is started.
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 
@@ -108,6 +108,19 @@ def _shares_one_backing(kv_cache_config: "KVCacheConfig") -> bool:
     return hasattr(kv_cache_config.kv_cache_tensors[0], "block_stride")
 
 
+def _backing_tensors(kv_cache_config: "KVCacheConfig") -> list[Any]:
+    # The fields of a shared backing (offset, layers, layer_stride,
+    # block_stride, host_resident) exist only on releases that have one; this
+    # module is the same for every release, so they are read untyped.
+    return list(kv_cache_config.kv_cache_tensors)
+
+
+def _vmm_options(cache_config: "CacheConfig") -> Any:
+    # The --kv-cache-vmm-* options come with the patch that adds the VMM
+    # backend; releases that carry only these modules have no such fields.
+    return cache_config
+
+
 def _unsupported(kv_cache_config: "KVCacheConfig") -> NotImplementedError:
     return NotImplementedError(
         f"VMM-backed KV memory (--kv-cache-memory-backend vmm) does not "
@@ -124,7 +137,7 @@ def kv_backing_layout(kv_cache_config: "KVCacheConfig") -> KVTensorLayout:
     block are adjacent); layer-outermost layouts are one region per layer
     slot, each holding every block.
     """
-    tensors = kv_cache_config.kv_cache_tensors
+    tensors = _backing_tensors(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
     block_strides = {t.block_stride for t in tensors}
     if len(block_strides) != 1 or any(t.host_resident for t in tensors):
@@ -231,7 +244,7 @@ def virtual_kv_cache_config(
             offset=rescale(t.offset),
             layer_stride=rescale(t.layer_stride),
         )
-        for t in kv_cache_config.kv_cache_tensors
+        for t in _backing_tensors(kv_cache_config)
     ]
     return replace(
         kv_cache_config, num_blocks=geometry.num_blocks, kv_cache_tensors=tensors
@@ -271,7 +284,7 @@ def kv_page_multiple(
     ``--kv-cache-vmm-page-bytes`` on the rank with the largest share, else
     one (the finest elasticity; the driver's per-call map cost is kept off
     the critical path by mapping a step's worth of pages ahead)."""
-    page_bytes = cache_config.kv_cache_vmm_page_bytes
+    page_bytes = _vmm_options(cache_config).kv_cache_vmm_page_bytes
     if page_bytes is None:
         return 1
     # One unit per rank: its geometry's pages times pages_per_segment.
@@ -307,7 +320,8 @@ def make_kv_page_policy(
         cache_config, unit_geometries, num_blocks // unit
     )
     budget_pages = max(1, num_blocks // blocks_per_page)
-    max_pages = cache_config.kv_cache_vmm_max_pages
+    options = _vmm_options(cache_config)
+    max_pages = options.kv_cache_vmm_max_pages
     if max_pages is None:
         max_pages = budget_pages
     page_bytes = 0
@@ -318,9 +332,9 @@ def make_kv_page_policy(
         granularity=granularity,
         blocks_per_page=blocks_per_page,
         max_pages=max_pages,
-        headroom_pages=cache_config.kv_cache_vmm_headroom_pages,
-        shrink=cache_config.kv_cache_vmm_shrink,
-        shrink_delay_s=cache_config.kv_cache_vmm_shrink_delay,
+        headroom_pages=options.kv_cache_vmm_headroom_pages,
+        shrink=options.kv_cache_vmm_shrink,
+        shrink_delay_s=options.kv_cache_vmm_shrink_delay,
         page_bytes=page_bytes,
         ahead_blocks=ahead_blocks,
     )
@@ -336,7 +350,7 @@ def set_kv_page_policy(
     With ``scheduler_config``, the scheduler keeps a step's worth of blocks
     mapped ahead of demand (:func:`kv_step_blocks`); without it, only the
     headroom."""
-    if cache_config.kv_cache_memory_backend != "vmm":
+    if _vmm_options(cache_config).kv_cache_memory_backend != "vmm":
         return None
     ahead_blocks = 0
     if scheduler_config is not None:
@@ -354,5 +368,7 @@ def set_kv_page_policy(
         ahead_blocks=ahead_blocks,
     )
     for config in kv_cache_configs:
-        config.kv_page_policy = policy
+        # A field of KVCacheConfig on releases with the VMM patch.
+        target: Any = config
+        target.kv_page_policy = policy
     return policy

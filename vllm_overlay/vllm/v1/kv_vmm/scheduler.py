@@ -158,8 +158,9 @@ class PagedBlockPool(BlockPool):
             blocks = self._page_blocks(page)
             # Readers of blocks released with unpin_blocks learn that the
             # blocks are gone (block pools without that API have no readers).
-            if getattr(self, "_reuse_watchers", None):
-                self._notify_reuse(blocks)
+            notify = getattr(self, "_notify_reuse", None)
+            if notify is not None and getattr(self, "_reuse_watchers", None):
+                notify(blocks)
             for block in blocks:
                 assert block.ref_cnt == 0 and not block.is_null
                 self._maybe_evict_cached_block(block)
@@ -273,7 +274,7 @@ class PagedBlockPool(BlockPool):
             pages_unmapped_total=self.num_pages_unmapped_total,
         )
 
-    def page_stats(self) -> dict[str, float]:
+    def page_stats(self) -> dict[str, int]:
         return {
             "kv_pages_mapped": len(self._mapped),
             "kv_pages_mapped_total": self.num_pages_mapped_total,
