@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""How many blocks a KV page holds: enough for --kv-cache-vmm-page-bytes when
-given, otherwise the smallest unit every rank can map (one granule per KV
-tensor region)."""
+"""How many blocks a KV page holds: --kv-cache-vmm-page-bytes when given,
+otherwise (on CUDA) enough for physical allocations of KV_PAGE_MIN_CHUNK_BYTES
+per tensor region while the KV cache keeps at least KV_PAGE_MIN_COUNT pages."""
 
 import pytest
 
@@ -11,7 +11,11 @@ from vllm.config import CacheConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.kv_vmm import KVPageGeometry, KVTensorLayout
-from vllm.v1.kv_vmm.pages import kv_page_multiple
+from vllm.v1.kv_vmm.pages import (
+    KV_PAGE_MIN_CHUNK_BYTES,
+    KV_PAGE_MIN_COUNT,
+    kv_page_multiple,
+)
 
 pytestmark = requires_vmm_kv_wiring
 
@@ -27,10 +31,42 @@ def vmm(**kwargs) -> CacheConfig:
     return CacheConfig(kv_cache_memory_backend="vmm", **kwargs)
 
 
-def test_default_pages_are_the_smallest_mappable_unit():
+def test_unit_pages_without_a_chunk_floor():
     assert UNIT.page_bytes == 144 * MiB
-    assert kv_page_multiple(vmm(), [UNIT], 1000) == 1
-    assert kv_page_multiple(vmm(), [UNIT], 1) == 1
+    assert kv_page_multiple(vmm(), [UNIT], 1000, min_chunk_bytes=0) == 1
+
+
+@pytest.mark.parametrize(
+    "region_block_bytes, min_chunk_mib, multiple",
+    [
+        (64 * 1024, 16, 8),
+        (64 * 1024, 64, 32),
+        (128 * 1024, 16, 8),
+        (96 * 1024, 16, 3),
+        (96 * 1024, 64, 11),
+        (12 * MiB, 16, 2),
+        (12 * MiB, 64, 6),
+        (16 * MiB, 16, 1),
+        (16 * MiB, 64, 4),
+    ],
+)
+def test_chunk_floor(region_block_bytes, min_chunk_mib, multiple):
+    layout = KVTensorLayout(block_bytes=2 * region_block_bytes, num_regions=2)
+    unit = KVPageGeometry([layout] * 4, num_blocks=1, granularity=2 * MiB)
+    got = kv_page_multiple(vmm(), [unit], 10_000, min_chunk_mib * MiB)
+    assert got == multiple
+    assert got * unit.page_region_bytes[0] >= min_chunk_mib * MiB
+    # The smallest multiple that reaches the floor.
+    assert (got - 1) * unit.page_region_bytes[0] < min_chunk_mib * MiB
+
+
+def test_chunk_floor_keeps_a_small_cache_elastic():
+    # 40 smallest pages: allocations of the default floor would leave one or
+    # a few pages; the cache keeps at least KV_PAGE_MIN_COUNT.
+    assert 40 * UNIT.page_region_bytes[0] // KV_PAGE_MIN_CHUNK_BYTES < KV_PAGE_MIN_COUNT
+    got = kv_page_multiple(vmm(), [UNIT], 40, KV_PAGE_MIN_CHUNK_BYTES)
+    assert got == 40 // KV_PAGE_MIN_COUNT == 2
+    assert kv_page_multiple(vmm(), [UNIT], 10, KV_PAGE_MIN_CHUNK_BYTES) == 1
 
 
 def test_explicit_page_bytes_round_up_on_the_largest_rank():
@@ -38,15 +74,17 @@ def test_explicit_page_bytes_round_up_on_the_largest_rank():
     # size on the larger one.
     small = KVPageGeometry(LAYERS[:24], num_blocks=32, granularity=2 * MiB)
     config = vmm(kv_cache_vmm_page_bytes=1 << 30)
-    assert kv_page_multiple(config, [small, UNIT], 1000) == -(-1024 // 144)
-    # A size below the smallest unit gives the smallest unit.
-    assert kv_page_multiple(vmm(kv_cache_vmm_page_bytes=1), [UNIT], 1000) == 1
+    assert kv_page_multiple(config, [small, UNIT], 1000, KV_PAGE_MIN_CHUNK_BYTES) == (
+        -(-1024 // 144)
+    )
+    # An explicit size wins over the floor, small pages included.
+    assert kv_page_multiple(vmm(kv_cache_vmm_page_bytes=1), [UNIT], 1000, 16 * MiB) == 1
 
 
 def test_page_larger_than_the_cache_is_refused():
     config = vmm(kv_cache_vmm_page_bytes=10 * 144 * MiB + 1)
     with pytest.raises(ValueError, match="--kv-cache-vmm-page-bytes .* larger than"):
-        kv_page_multiple(config, [UNIT], 10)
+        kv_page_multiple(config, [UNIT], 10, 0)
 
 
 def test_cli_takes_human_readable_sizes():
