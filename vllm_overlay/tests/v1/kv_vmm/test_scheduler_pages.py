@@ -355,4 +355,3 @@ def test_step_blocks_bound():
     assert kv_step_blocks(64, 1024, [16]) == 4 + 64
     # Each KV cache group allocates its own blocks from the shared pool.
     assert kv_step_blocks(8192, 256, [16, 32]) == (512 + 256) + (256 + 256)
-
