@@ -52,6 +52,13 @@ def test_bench_quick_cpu(tmp_path: Path):
     assert items["throughput"]["vmm_args"] == VMM_ARGS
     # The VMM side really ran with mapped pages.
     assert model["vmm_page_stats"][0]["kv_pages_mapped_total"] >= 2
+    # The first request after the engine went idle: timed on both sides, and the VMM engine
+    # had given back everything beyond the null block's page and the headroom before it.
+    idle = model["first request after idle, TTFT (s)"]
+    assert idle["n"] == 1 and _finite(idle["a_median"]) and _finite(idle["b_median"])
+    page_bytes = model["vmm_page_stats"][0]["page_bytes"]
+    assert idle["vmm_idle_mapped_bytes"] == [(1 + VMM_ARGS["kv_cache_vmm_headroom_pages"])
+                                             * page_bytes]
     assert _finite(items["startup"]["models"]["tiny-llama"]["startup_s"]["ratio"])
 
     el = items["elasticity"]
