@@ -116,12 +116,15 @@ def main() -> None:
     base_env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     servers = {}
     try:
-        for role in ("prefill", "decode"):
-            servers[role] = Server(
+        # One instance after the other: a port picked as free for one instance's NIXL side
+        # channel could otherwise be taken by the other instance's own sockets before the
+        # first binds it ("Address already in use"); once an instance is healthy, its
+        # ports are bound.
+        for role in ("decode", "prefill"):
+            server = servers[role] = Server(
                 args.model, args.backend, engine, logs / f"pd-{args.backend}-{role}.log",
                 base_env, env={**instance_env(args.device, role),
                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
-        for role, server in servers.items():
             health = server.wait_healthy(args.timeout)
             if "error" in health:
                 raise SystemExit(f"{role} instance: {health['error']}")

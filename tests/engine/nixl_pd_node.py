@@ -113,6 +113,11 @@ def main() -> None:
         disable_log_stats=False,
         **json.loads(args.extra),
     )
+    # 1024 tokens per step on every instance (the single-instance reference included, so
+    # all schedule alike): a step then allocates at most 16 blocks (8 + one per request),
+    # one VMM page, so what a VMM instance keeps mapped ahead of demand is its headroom page
+    # and the first wave fits in the pages mapped at startup.
+    kwargs.setdefault("max_num_batched_tokens", 1024)
     if args.backend == "vmm":
         # Pages go back as soon as a wave is done, so the next wave maps (and the prefill
         # registers) segments the other instance has not seen.

@@ -158,6 +158,16 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
         assert backed(512) == {True} and backed(999) == {False}
         assert mapper.stats()["kv_pages_mapped_ahead_total"] == 1
         assert mapper.mapped_bytes == 3 * policy.page_bytes
+
+        # With a connector registering segments, the step's ahead pages are
+        # mapped (and registered) before its forward pass, with its own.
+        registered = []
+        mapper.table.on_segment_mapped = registered.append
+        assert not mapper.maps_ahead_after_forward
+        mapper.apply(KVPageOps(ahead=[3]))
+        assert backed(999) == {True} and len(registered) == 1
+        mapper.apply_ahead(KVPageOps(ahead=[3]))
+        assert mapper.stats()["kv_pages_mapped_ahead_total"] == 1
     finally:
         mapper.close()
 

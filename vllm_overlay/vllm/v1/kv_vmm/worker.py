@@ -120,15 +120,28 @@ class KVPageMapper:
     def _table_pages(self, pages: list[int]) -> list[int]:
         return [p for segment in pages for p in self.geometry.pages_of_segment(segment)]
 
+    @property
+    def maps_ahead_after_forward(self) -> bool:
+        """Whether pages mapped ahead of demand wait until the forward pass
+        is launched. Not when a KV connector registers each mapped segment:
+        it publishes its registrations with the step's own (a transfer of
+        this step's requests may name the step's registration epoch), so
+        every page of the step is mapped, and registered, before it."""
+        return self.table.on_segment_mapped is None
+
     def apply(self, ops: KVPageOps) -> None:
-        """Before the forward pass: unmap, then map the pages the step uses;
-        the device is synchronized before unmapping."""
+        """Before the forward pass: unmap, then map the pages the step uses
+        (and those mapped ahead, see :attr:`maps_ahead_after_forward`); the
+        device is synchronized before unmapping."""
         start = time.perf_counter()
         if ops.unmap:
             unmapped = self.table.unmap_pages(self._table_pages(ops.unmap))
             self.num_pages_unmapped_total += len(unmapped)
-        if ops.map:
-            mapped = self.table.map_pages(self._table_pages(ops.map))
+        pages = ops.map
+        if ops.ahead and not self.maps_ahead_after_forward:
+            pages = [*ops.map, *ops.ahead]
+        if pages:
+            mapped = self.table.map_pages(self._table_pages(pages))
             self.num_pages_mapped_total += len(mapped)
         self.map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
@@ -137,7 +150,7 @@ class KVPageMapper:
         """After the forward pass is launched: map the pages the scheduler
         hands out from the next step on. Nothing in flight uses them, so the
         driver calls overlap the device's work instead of delaying it."""
-        if not ops.ahead:
+        if not ops.ahead or not self.maps_ahead_after_forward:
             return
         start = time.perf_counter()
         mapped = self.table.map_pages(self._table_pages(ops.ahead))
