@@ -161,7 +161,7 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
 
         # With a connector registering segments, the step's ahead pages are
         # mapped (and registered) before its forward pass, with its own.
-        registered = []
+        registered: list[object] = []
         mapper.table.on_segment_mapped = registered.append
         assert not mapper.maps_ahead_after_forward
         mapper.apply(KVPageOps(ahead=[3]))
