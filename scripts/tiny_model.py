@@ -27,14 +27,11 @@ TINY_LLAMA = {
 }
 
 
-def public_config(name: str) -> dict:
-    return json.loads((model_path(name) / "config.json").read_text())
-
-
 def make_tiny_model(dest: Path, base: str = "Llama-3.1-8B-Instruct", **overrides) -> Path:
     """Write config.json of a shrunk `base` into dest; returns dest (a model directory)."""
-    config = public_config(base)
-    config.update(TINY_LLAMA if model_path(base).name.startswith("Llama") else {})
+    source = model_path(base)
+    config = json.loads((source / "config.json").read_text())
+    config.update(TINY_LLAMA if source.name.startswith("Llama") else {})
     config.update(overrides)
     config.pop("rope_scaling", None)  # long-context scaling of the full model: not for a toy
     dest.mkdir(parents=True, exist_ok=True)
