@@ -29,17 +29,15 @@ if TYPE_CHECKING:
 KV_PAGE_GRANULARITY = 2 << 20
 
 #: Smallest physical allocation per KV tensor region that pages are sized for
-#: on CUDA when --kv-cache-vmm-page-bytes is not given. The driver's cost of
-#: mapping memory is per call, not per byte (cuMemCreate + cuMemMap +
-#: cuMemSetAccess: about 2.3 ms for 144 MiB in 2 MiB allocations, 0.3 ms in
-#: 16 MiB ones, 0.07 ms in 72 MiB ones, on an H200), and a prefill-heavy first
-#: burst that needs most of the KV cache ran 1.5% slower than stock with 16 MiB
-#: allocations and 0.4% with 64 MiB ones on an H200. Mapping a step's worth of
-#: pages ahead of demand (KVPagePolicy.ahead_blocks) does not hide that cost
-#: yet: with 2 MiB allocations the same burst ran at 0.875x stock on an H100.
-#: The price is coarser elasticity: an idle engine keeps two pages (the null
-#: block's and the headroom).
-KV_PAGE_MIN_CHUNK_BYTES = 64 << 20
+#: on CUDA when --kv-cache-vmm-page-bytes is not given: one granule, so a page
+#: is the smallest unit every rank can map (128 MiB for Llama-3.1-8B, 144 MiB
+#: for Qwen3-8B at 16-token blocks). The driver's cost is per call, not per
+#: byte (cuMemCreate + cuMemMap + cuMemSetAccess, about 65 us per 2 MiB
+#: allocation on an H100), and it stays off the critical path because pages
+#: are mapped ahead of demand behind the forward pass (KVPagePolicy.
+#: ahead_blocks); a larger floor trades elasticity (an idle engine keeps the
+#: null block's page and the headroom) for fewer calls.
+KV_PAGE_MIN_CHUNK_BYTES = KV_PAGE_GRANULARITY
 
 #: ... but automatic sizing keeps at least this many pages in the KV budget,
 #: so a small KV cache stays elastic.
