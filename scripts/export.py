@@ -150,7 +150,7 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
       module path, file path) or uses an overlay file that does (transitively); a module
       needs its package's __init__.py, so that goes with it;
     - a test file (tests/**/test_*.py) goes with the module it tests: into the patch where the
-      last overlay file it needs (its imports, its conftest.py/__init__.py, through helper
+      last overlay file it needs (its imports, its conftest.py/__init__.py, through support
       modules such as utils.py) arrives, or earlier where a patch names it;
     - other files under tests/ (conftest.py, utils.py, __init__.py) go with the first test
       that needs them;
@@ -227,7 +227,7 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         if needs - set(at) - set(placed.dropped):
             continue  # needs an unused file: reported with it
         tests_at[rel] = min(i, first_ref.get(rel, i))
-    # Helpers under tests/: with the first test that needs them.
+    # Support files under tests/: with the first test that needs them.
     for rel in sorted(files):
         if not is_test_side(rel) or is_test_file(rel):
             continue

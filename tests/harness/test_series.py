@@ -259,14 +259,14 @@ def _overlay(project: Project, files: dict[str, str]) -> None:
 
 NEWPKG = {
     "vllm/newpkg/__init__.py": "X = 1\n",
-    "vllm/newpkg/helper.py": "def helper():\n    return 1\n",
-    # mod uses helper only lazily; helper must still arrive no later than mod.
-    "vllm/newpkg/mod.py": "def f():\n    from vllm.newpkg.helper import helper\n"
-                          "    return helper()\n",
+    "vllm/newpkg/base.py": "def base():\n    return 1\n",
+    # mod uses base only lazily; base must still arrive no later than mod.
+    "vllm/newpkg/mod.py": "def f():\n    from vllm.newpkg.base import base\n"
+                          "    return base()\n",
     "tests/newpkg/__init__.py": "",
     "tests/newpkg/conftest.py": "from tests.newpkg.utils import FIXTURE  # noqa: F401\n",
     "tests/newpkg/utils.py": "FIXTURE = 1\n",
-    "tests/newpkg/test_helper.py": "from vllm.newpkg import helper\n",
+    "tests/newpkg/test_base.py": "from vllm.newpkg import base\n",
     "tests/newpkg/test_mod.py": "from vllm.newpkg.mod import f\n",
 }
 
@@ -275,20 +275,20 @@ def test_export_folds_each_overlay_file_into_the_first_patch_that_uses_it(projec
     _overlay(project, NEWPKG)
     add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
     add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
-              "def f5(x):\n    from vllm.newpkg.helper import helper  # noqa: F401\n",
-              "[Core] B uses the helper")
+              "def f5(x):\n    from vllm.newpkg.base import base  # noqa: F401\n",
+              "[Core] B uses the base")
     add_patch(project, V1, "vllm/core.py", "def f9(x):\n",
               "def f9(x):\n    from vllm.newpkg import (  # noqa: F401\n        mod,\n    )\n",
               "[Core] C uses the module")
     proc, files = _export(project)
-    assert [f.name for f in files] == ["0001-Core-A.patch", "0002-Core-B-uses-the-helper.patch",
+    assert [f.name for f in files] == ["0001-Core-A.patch", "0002-Core-B-uses-the-base.patch",
                                        "0003-Core-C-uses-the-module.patch"], proc.stdout
     assert _files_in(files[0]) == ["vllm/core.py"]
-    # B: the helper, its package's __init__.py, the test of the helper with what it needs.
+    # B: the base, its package's __init__.py, the test of the base with what it needs.
     assert _files_in(files[1]) == [
-        "tests/newpkg/__init__.py", "tests/newpkg/conftest.py", "tests/newpkg/test_helper.py",
+        "tests/newpkg/__init__.py", "tests/newpkg/conftest.py", "tests/newpkg/test_base.py",
         "tests/newpkg/utils.py", "vllm/core.py", "vllm/newpkg/__init__.py",
-        "vllm/newpkg/helper.py"]
+        "vllm/newpkg/base.py"]
     assert _files_in(files[2]) == ["tests/newpkg/test_mod.py", "vllm/core.py",
                                    "vllm/newpkg/mod.py"]
     assert "Overlay" not in proc.stdout and "not exported" not in proc.stdout
@@ -306,7 +306,7 @@ def test_export_folds_each_overlay_file_into_the_first_patch_that_uses_it(projec
     assert tree_id(reviewer) == tree_id(project.tree(V1))
     ls = subprocess.run(["git", "-C", str(reviewer), "ls-tree", "-r", "--name-only", "HEAD~1"],
                         check=True, capture_output=True, text=True).stdout.split()
-    assert "vllm/newpkg/helper.py" in ls and "vllm/newpkg/mod.py" not in ls
+    assert "vllm/newpkg/base.py" in ls and "vllm/newpkg/mod.py" not in ls
 
 
 def test_export_authors_and_signs_off_as_the_contributor(project: Project):
