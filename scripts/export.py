@@ -54,7 +54,8 @@ def user_ident(checkout: Path = ROOT) -> tuple[str, str]:
     elif email == HARNESS_IDENT["GIT_AUTHOR_EMAIL"]:
         problem = f"git config user.email is the harness's own identity ({email})"
     elif not SIGNOFF_RE.match(f"Signed-off-by: {name} <{email}>"):
-        problem = f"git config user.name/user.email ({name!r} / {email!r}) is not a name and an email"
+        problem = (f"git config user.name/user.email ({name!r} / {email!r}) is not a name "
+                   "and an email")
     if problem:
         raise SeriesError(
             f"{problem}, so the export cannot be authored by you or carry your Signed-off-by "
