@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 
 if TYPE_CHECKING:
-    from vllm.config import CacheConfig, SchedulerConfig
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: Granularity of the page arithmetic. 2 MiB is the host backend's default
@@ -134,6 +134,30 @@ def _vmm_options(cache_config: "CacheConfig") -> Any:
     # The --kv-cache-vmm-* options come with the patch that adds the VMM
     # backend; releases that carry only these modules have no such fields.
     return cache_config
+
+
+def verify_vmm_kv_config(vllm_config: "VllmConfig") -> None:
+    """Refuse, at config time, what VMM-backed KV memory cannot honour.
+
+    Sleep mode frees the KV cache by allocating it inside the cumem
+    allocator's ``kv_cache`` pool (``kv_cache_allocation_context``) and
+    discarding that pool on sleep. VMM KV memory is reserved and mapped by
+    the KV page table, outside any allocator pool, so a sleeping engine would
+    keep all of its mapped KV pages: sleep would silently free nothing.
+    """
+    if _vmm_options(vllm_config.cache_config).kv_cache_memory_backend != "vmm":
+        return
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.enable_sleep_mode:
+        raise ValueError(
+            "--kv-cache-memory-backend vmm cannot be combined with "
+            "--enable-sleep-mode: sleep mode frees the KV cache through the "
+            "cumem allocator's pool, and VMM-backed KV pages are mapped "
+            "outside it, so a sleeping engine would keep its KV memory. "
+            "Either drop --enable-sleep-mode (with --kv-cache-vmm-shrink "
+            "idle, an idle VMM engine already unmaps its free KV pages), or "
+            "use --kv-cache-memory-backend default to sleep."
+        )
 
 
 def _unsupported(kv_cache_config: "KVCacheConfig") -> NotImplementedError:
