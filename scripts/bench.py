@@ -160,6 +160,9 @@ def main() -> None:
     p.add_argument("--vmm-args", metavar="JSON",
                    help="engine arguments for the VMM side only, e.g. "
                    "'{\"kv_cache_vmm_page_bytes\": 150994944}'")
+    p.add_argument("--elastic-model", metavar="NAME",
+                   help="model of the elasticity item (default: the profile's, "
+                   "Llama-3.1-8B-Instruct on CUDA)")
     p.add_argument("--serve-tp", type=int, default=2,
                    help="tensor-parallel size of the server start item (default 2)")
     args = p.parse_args()
@@ -183,6 +186,8 @@ def main() -> None:
         prof["models"] = args.models.split(",")
     if args.vmm_args:
         prof["vmm_args"] = json.loads(args.vmm_args)
+    if args.elastic_model:
+        prof["elastic"]["model"] = args.elastic_model
     info = host_info(probe) | {"device": device, "quick": args.quick,
                                "budget_s": args.budget_s}
     print(f"vLLM {info['vllm'] or '(none)'}, {info.get('gpu') or 'CPU'}, "
