@@ -3,16 +3,23 @@
 
   python3 scripts/refresh.py --version 0.32.0
 
-The quilt/gbp-pq "export" step: edit and commit in build/vllm-X, then refresh. Patch files get
-stable names (NNNN-subject.patch) and stable bytes (see seriestool.format_patch_args), so a
-refresh right after `make apply` changes no byte. Patches that were not applied yet because an
-earlier one failed stay in the series, after the refreshed ones.
+The quilt/gbp-pq "export" step: edit and commit in build/vllm-X, then refresh. Patch files are
+named by topic, not by position: a commit keeps the file name of the series' patch with the same
+subject, and a new commit is named after its subject as `git format-patch` spells it, without
+the number (`Core-Do-this.patch`). So a topic has one name in every release's series and
+inserting a patch renumbers nothing (`diff patches/v0.32.0/<topic>.patch
+patches/v0.33.0/<topic>.patch` works); the order is the `series` file's. To rename a topic,
+rename its file and its line in `series`. Bytes are stable too (see
+seriestool.format_patch_args), so a refresh right after `make apply` changes no byte. Patches
+that were not applied yet because an earlier one failed stay in the series, after the
+refreshed ones.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from email.parser import BytesHeaderParser
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -21,6 +28,27 @@ from seriestool import (  # noqa: E402
     SeriesError, format_patch_args, get_release, git, git_out, main_guard, overlay_files,
     read_series, read_state, sha256_file, version_from_args, write_state,
 )
+
+
+def patch_subject(path: Path) -> str:
+    """The commit subject a patch file carries (its folded Subject header, without [PATCH])."""
+    with path.open(errors="replace") as f:
+        headers = BytesHeaderParser().parsebytes(f.read().encode(errors="replace"))
+    subj = " ".join(str(headers.get("Subject", "")).split())
+    return subj[len("[PATCH] "):] if subj.startswith("[PATCH] ") else subj
+
+
+def topic_names(produced: list[Path], subjects: list[str], old: dict[str, str]) -> list[str]:
+    """File names for the refreshed patches: the old name of the same subject, else the
+    format-patch name without its number. Unique within the series."""
+    names: list[str] = []
+    for p, subj in zip(produced, subjects):
+        name = old.get(" ".join(subj.split())) or p.name.split("-", 1)[1]
+        stem, n = name[: -len(".patch")], 2
+        while name in names:
+            name, n = f"{stem}-{n}.patch", n + 1
+        names.append(name)
+    return names
 
 
 def refresh(release) -> list[str]:
@@ -56,18 +84,17 @@ def refresh(release) -> list[str]:
         pending = [n for n in state.get("pending", []) if n in old_names]
         still_pending = []
         for n in pending:
-            text = (release.series_dir / n).read_text(errors="replace")
-            subj = next((ln[len("Subject: [PATCH] "):] for ln in text.splitlines()
-                         if ln.startswith("Subject: [PATCH] ")), None)
-            if subj not in subjects:
+            if patch_subject(release.series_dir / n) not in subjects:
                 still_pending.append((n, (release.series_dir / n).read_bytes()))
         release.series_dir.mkdir(parents=True, exist_ok=True)
+        old_by_subject: dict[str, str] = {}
+        for n in old_names:
+            old_by_subject.setdefault(patch_subject(release.series_dir / n), n)
+        names = topic_names(produced, subjects, old_by_subject)
         for n in old_names:
             (release.series_dir / n).unlink()
-        names = []
-        for p in produced:
-            (release.series_dir / p.name).write_bytes(p.read_bytes())
-            names.append(p.name)
+        for p, n in zip(produced, names):
+            (release.series_dir / n).write_bytes(p.read_bytes())
         for n, data in still_pending:
             if n in names:
                 raise SeriesError(f"refreshed patch {n} has the name of a pending patch.")

@@ -107,7 +107,7 @@ def test_a_patch_without_signed_off_by_fails(linted: Project):
     proc = lint(linted)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "signoff" in proc.stdout
-    assert "patches/v1.0.0/0001-Core-Unsigned.patch: no Signed-off-by: line" in proc.stdout
+    assert "patches/v1.0.0/Core-Unsigned.patch: no Signed-off-by: line" in proc.stdout
 
 
 def test_a_tool_that_cannot_be_installed_says_which_and_how(project: Project, tmp_path: Path):

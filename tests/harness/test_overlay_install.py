@@ -68,7 +68,7 @@ def test_overlay_install_refuses_modified_install_and_changes_nothing(project: P
     before = digest_tree(site)
     proc = project.run("overlay_install.py", "--site", str(site), "--version", V1, check=False)
     assert proc.returncode == 1
-    assert "0001-Core-A.patch does not apply" in proc.stderr and "Nothing was changed" in proc.stderr
+    assert "Core-A.patch does not apply" in proc.stderr and "Nothing was changed" in proc.stderr
     assert digest_tree(site) == before
 
 

@@ -25,9 +25,9 @@ def test_rebase_carries_drops_and_writes_range_diff(project: Project, tmp_path):
     out = project.run("rebase.py", "--from", V1, "--to", V2, "--report", str(report)).stdout
     assert "1 patches carried, 1 dropped" in out
     series = (project.patches / f"v{V2}" / "series").read_text()
-    assert "# Rebased from v1.0.0" in series and "0001-Core-B.patch" not in series.split("\n")[-2]
-    assert "Dropped (vLLM 2.0.0 already has them): 0002-Core-B.patch" in series
-    assert series.strip().endswith("0001-Core-A.patch")
+    assert "# Rebased from v1.0.0" in series and "Core-B.patch" not in series.split("\n")[-2]
+    assert "Dropped (vLLM 2.0.0 already has them): Core-B.patch" in series
+    assert series.strip().endswith("Core-A.patch")
     assert "return x + 30" in (project.tree(V2) / "vllm/core.py").read_text()
     text = report.read_text()
     assert "[Core] A" in text and "[Core] B" in text  # A on both sides, B only on the left
@@ -39,7 +39,7 @@ def test_rebase_stops_at_conflict_with_report(project: Project):
     _new_release(project, CORE_PY.replace("return x + 7\n", "return x * 7\n"))
     proc = project.run("rebase.py", "--from", V1, "--to", V2, check=False)
     assert proc.returncode == 1
-    assert "rebase v1.0.0 -> v2.0.0" in proc.stderr and "0001-Core-Seven.patch" in proc.stderr
+    assert "rebase v1.0.0 -> v2.0.0" in proc.stderr and "Core-Seven.patch" in proc.stderr
     assert "vllm/core.py" in proc.stderr and "am --abort" in proc.stderr
 
 

@@ -24,7 +24,7 @@ def test_apply_builds_pristine_overlay_and_series(project: Project):
               "[Core] Make f3 bigger")
     shutil.rmtree(project.tree(V1))
     out = project.run("apply.py", "--version", V1).stdout
-    assert "applied 0001-Core-Make-f3-bigger.patch" in out
+    assert "applied Core-Make-f3-bigger.patch" in out
     log = project.git(V1, "log", "--format=%s").splitlines()
     assert log == ["[Core] Make f3 bigger", "[Core] Overlay", f"vLLM {V1} (pristine sdist)"]
     assert project.git(V1, "describe", "--tags", "--abbrev=0") == f"v{V1}"
@@ -56,7 +56,7 @@ def test_apply_picks_up_new_patches_and_overlay_changes(project: Project):
     assert project.git(V1, "rev-parse", "HEAD~1") == first
     (project.overlay / "vllm" / "newpkg" / "__init__.py").write_text("X = 2\n")
     out = project.run("apply.py", "--version", V1).stdout
-    assert "overlay: 1 files committed" in out and "applied 0002-Core-B.patch" in out
+    assert "overlay: 1 files committed" in out and "applied Core-B.patch" in out
     assert (project.tree(V1) / "vllm" / "newpkg" / "__init__.py").read_text() == "X = 2\n"
 
 
@@ -105,14 +105,32 @@ def test_refresh_writes_new_commits_with_stable_names(project: Project):
     project.commit_in_tree(V1, "vllm/core.py",
                            (project.tree(V1) / "vllm/core.py").read_text() + "# B\n", "[Core] B")
     out = project.run("refresh.py", "--version", V1).stdout
-    assert "0002-Core-B.patch" in out
+    assert "Core-B.patch" in out
     names = (project.patches / f"v{V1}" / "series").read_text().split()
-    assert names[-2:] == ["0001-Core-A.patch", "0002-Core-B.patch"]
-    text = (project.patches / f"v{V1}" / "0002-Core-B.patch").read_text()
+    assert names[-2:] == ["Core-A.patch", "Core-B.patch"]
+    text = (project.patches / f"v{V1}" / "Core-B.patch").read_text()
     assert text.startswith("From 0000000000000000000000000000000000000000 ")
     assert "Subject: [PATCH] [Core] B" in text and "Signed-off-by: Test Dev" in text
     assert "\n-- \n" not in text  # no git version signature: stable across git versions
     assert "already applied" in project.run("apply.py", "--version", V1).stdout
+
+
+def test_refresh_keeps_topic_names(project: Project):
+    # A topic renamed by hand (file + series line) keeps its name through apply, a new
+    # commit and refresh; the new commit gets its subject's name and renumbers nothing.
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    series_dir = project.patches / f"v{V1}"
+    (series_dir / "Core-A.patch").rename(series_dir / "bigger-f3.patch")
+    series = series_dir / "series"
+    series.write_text(series.read_text().replace("Core-A.patch", "bigger-f3.patch"))
+    shutil.rmtree(project.tree(V1))
+    add_patch(project, V1, "vllm/core.py", "return x + 5\n", "return x + 50\n", "[Core] B")
+    names = series.read_text().split()
+    assert names[-2:] == ["bigger-f3.patch", "Core-B.patch"]
+    assert sorted(p.name for p in series_dir.glob("*.patch")) == names[-2:][::-1]
+    before = series_bytes(project, V1)
+    project.run("refresh.py", "--version", V1)
+    assert series_bytes(project, V1) == before
 
 
 def test_failing_patch_names_patch_file_and_hunk(project: Project):
@@ -127,7 +145,7 @@ def test_failing_patch_names_patch_file_and_hunk(project: Project):
     proc = project.run("apply.py", "--version", V2, check=False)
     assert proc.returncode == 1
     err = proc.stderr
-    assert "0001-Core-Seven.patch" in err and "vllm/core.py" in err
+    assert "Core-Seven.patch" in err and "vllm/core.py" in err
     assert "return x + 7" in err  # the failing hunk is shown
     assert "am --abort" in err and "make refresh" in err
     # The tree is left mid-am; --abort restores the state before the failing patch.
@@ -144,8 +162,8 @@ def test_refresh_after_resolving_keeps_pending_patches(project: Project):
                            core.read_text().replace("return x * 7\n", "return x * 70\n"),
                            "[Core] Seven")
     out = project.run("refresh.py", "--version", V2).stdout
-    assert "0001-Core-Seven.patch" in out and "0002-Core-Nine.patch" in out
-    assert "applied 0002-Core-Nine.patch" in project.run("apply.py", "--version", V2).stdout
+    assert "Core-Seven.patch" in out and "Core-Nine.patch" in out
+    assert "applied Core-Nine.patch" in project.run("apply.py", "--version", V2).stdout
 
 
 def test_check_series_prints_table(project: Project):
@@ -159,7 +177,7 @@ def test_check_series_prints_table(project: Project):
     assert proc.returncode == 1
     rows = {ln.split()[0]: ln for ln in proc.stdout.splitlines()[2:]}
     assert rows[V1].split()[1:] == ["1", "OK"]
-    assert "FAIL at 0001-Core-Seven.patch (vllm/core.py:" in rows[V2]
+    assert "FAIL at Core-Seven.patch (vllm/core.py:" in rows[V2]
     # The build trees are left as they were.
     assert project.git(V1, "rev-parse", "HEAD") == head
     assert project.git(V2, "log", "-1", "--format=%s") == f"vLLM {V2} (pristine sdist)"
@@ -170,34 +188,34 @@ def test_check_series_refuses_a_patch_that_needs_a_3way_merge(project: Project):
     # (not one B changes), so B applies only through a 3-way merge with its preimage blob.
     add_patch(project, V1, "vllm/core.py", "return x + 6\n", "return x + 60\n", "[Core] Sixty")
     series_dir = project.patches / f"v{V1}"
-    b_text = (series_dir / "0001-Core-Sixty.patch").read_bytes()
+    b_text = (series_dir / "Core-Sixty.patch").read_bytes()
     shutil.rmtree(project.tree(V1))
     for p in series_dir.iterdir():
         p.unlink()
     (series_dir / "series").write_text("# series of the fixture\n")
     add_patch(project, V1, "vllm/core.py", "return x + 5\n\n\ndef f6",
               "return x + 5\n\n# f6 follows\ndef f6", "[Core] Comment")
-    assert [p.name for p in series_dir.glob("*.patch")] == ["0001-Core-Comment.patch"]
-    (series_dir / "0002-Core-Sixty.patch").write_bytes(b_text)
+    assert [p.name for p in series_dir.glob("*.patch")] == ["Core-Comment.patch"]
+    (series_dir / "Core-Sixty.patch").write_bytes(b_text)
     with (series_dir / "series").open("a") as f:
-        f.write("0002-Core-Sixty.patch\n")
+        f.write("Core-Sixty.patch\n")
     head = project.git(V1, "rev-parse", "HEAD")
 
     strict = project.run("check_series.py", check=False)
     assert strict.returncode == 1, strict.stdout + strict.stderr
     rows = {ln.split()[0]: ln for ln in strict.stdout.splitlines()[2:]}
-    assert "FAIL at 0002-Core-Sixty.patch (vllm/core.py" in rows[V1]
+    assert "FAIL at Core-Sixty.patch (vllm/core.py" in rows[V1]
     assert "--3way" in rows[V1]
     assert rows[V2].split()[1:] == ["0", "OK"]
 
     merged = project.run("check_series.py", "--3way", check=False)
     assert merged.returncode == 0, merged.stdout + merged.stderr
     rows = {ln.split()[0]: ln for ln in merged.stdout.splitlines()[2:]}
-    assert rows[V1].split(None, 2)[1:] == ["2", "OK (3-way merge: 0002-Core-Sixty.patch)"]
+    assert rows[V1].split(None, 2)[1:] == ["2", "OK (3-way merge: Core-Sixty.patch)"]
     # The checks left the build tree alone; make apply merges the patch and says so.
     assert project.git(V1, "rev-parse", "HEAD") == head
     out = project.run("apply.py", "--version", V1).stdout
-    assert "applied 0002-Core-Sixty.patch (3-way merge)" in out
+    assert "applied Core-Sixty.patch (3-way merge)" in out
     assert "only through a 3-way merge" in out
 
 
