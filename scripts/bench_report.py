@@ -190,7 +190,7 @@ def render_doc_section(results: dict, rel: str, pending: bool = False) -> str:
               f"Generated from `{rel}/results.json` (written by `scripts/bench.py`).")
     return "\n".join([
         BEGIN,
-        "## VMM KV vs stock KV allocation, side by side (issue 7)",
+        "## VMM KV vs stock KV allocation, side by side",
         "",
         f"{source} Each figure "
         "is a median over interleaved A/B repetitions in one run on one device, each "
