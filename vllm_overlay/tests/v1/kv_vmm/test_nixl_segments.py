@@ -16,7 +16,6 @@ import torch
 
 from tests.v1.kv_vmm.utils import requires_nixl
 
-pytestmark = requires_nixl
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +95,7 @@ def pair():
         backend.close()
 
 
+@requires_nixl
 def test_registrations_follow_segments(pair):
     _, table, _, registry, _ = pair[0]
     table.map_pages([0, 2])
@@ -127,6 +127,7 @@ def test_registrations_follow_segments(pair):
     assert registry.unregistered(rows).tolist() == rows[2:].tolist()
 
 
+@requires_nixl
 def test_reads_resolve_against_current_registrations(pair):
     from nixl._api import nixlBind
 
@@ -250,6 +251,7 @@ class _HeldCompletion:
         return "PROC"
 
 
+@requires_nixl
 def test_unmap_waits_for_transfers_that_touch_the_segment():
     import threading
 
@@ -308,6 +310,13 @@ def test_unmap_waits_for_transfers_that_touch_the_segment():
         assert held.held_query.wait(60), "the unmap never asked for the state"
         assert unmapping.is_alive()
         assert d_table.is_mapped(0)
+        # The wait does not hold the page table's lock: its mapped state can
+        # be read meanwhile (segments() takes the lock).
+        reader = threading.Thread(target=d_table.segments)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the unmap waits under the page table lock"
+        assert unmapping.is_alive() and d_table.is_mapped(0)
         # ... and goes ahead once the transfer completes.
         held.released.set()
         unmapping.join(60)
@@ -324,3 +333,63 @@ def test_unmap_waits_for_transfers_that_touch_the_segment():
             table.close()
             registry.close()
             backend.close()
+
+
+class _ScriptedAgent:
+    """A NIXL agent stand-in whose transfer states the test scripts: the test
+    is about the order of checks, not about moving bytes."""
+
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+        self.registered: list = []
+
+    def get_reg_descs(self, descs, mem_type):
+        return list(descs)
+
+    def register_memory(self, descs, backends=None):
+        self.registered.append(descs)
+
+    def deregister_memory(self, descs, backends=None):
+        self.registered.remove(descs)
+
+    def check_xfer_state(self, handle) -> str:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def test_unmap_refuses_under_the_lock_if_a_transfer_started_after_the_wait():
+    """The wait runs before the page table's lock is taken; the deregistration
+    under the lock checks again without waiting, so a transfer in flight by
+    then still keeps its chunk mapped."""
+    import numpy as np
+
+    from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable
+    from vllm.v1.kv_vmm import KVTensorLayout, VmmError
+    from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry
+
+    backend = HostVmmBackend(2 << 20)
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=2 << 20, num_regions=1)],
+        num_blocks=2,
+        granularity=backend.granularity,
+    )
+    table = KVPageTable(backend, geometry, max_pages=2)
+    # First query (the wait, outside the lock): done; second (under it): in flight.
+    agent = _ScriptedAgent(["DONE", "PROC"])
+    registry = NixlSegmentRegistry(agent, "DRAM", 0, unmap_timeout_s=60.0)
+    try:
+        registry.attach(table)
+        table.map_pages([0, 1])
+        base = table.tensors[0].data_ptr()
+        registry.track("xfer", np.array([(base, 4096, 0)], dtype=np.uint64))
+        with pytest.raises(VmmError, match="segment 0 cannot be unmapped"):
+            table.unmap_pages([0])
+        assert table.is_mapped(0) and len(agent.registered) == 2
+        # Once it is done, the unmap deregisters and gives the chunk back.
+        agent.states = ["DONE"]
+        assert table.unmap_pages([0]) == [0]
+        assert not table.is_mapped(0) and len(agent.registered) == 1
+    finally:
+        agent.states = ["DONE"]
+        table.close()
+        registry.close()
+        backend.close()
