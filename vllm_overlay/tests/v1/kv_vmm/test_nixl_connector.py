@@ -14,13 +14,13 @@ import time
 
 import msgspec
 import pytest
-
-from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 from vllm.v1.kv_vmm.nixl_connector import (
     NixlVmmScheduler,
     NixlVmmWorker,
     fetch_agent_metadata,
 )
+
+from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 
 
 class _Agent:
@@ -83,9 +83,10 @@ def table():
 
 def _worker(table, fetch) -> tuple[NixlVmmWorker, _Agent]:
     agent = _Agent()
-    worker = NixlVmmWorker(table, fetch=fetch)
+    worker = NixlVmmWorker(agent, fetch=fetch)
+    worker.page_table = table
     base = table.tensors[0].data_ptr()
-    worker.register(agent, ["DRAM"], False, [(base, base + 4096)], 0)
+    worker.register(["DRAM"], False, [(base, base + 4096)], 0)
     worker.add_peer("peer", "tcp://127.0.0.1:1", b"get-meta")
     return worker, agent
 
@@ -161,17 +162,16 @@ def test_a_failed_fetch_fails_the_waiting_reads(table):
         worker.close()
 
 
-def test_fetch_times_out_off_the_read_path(table):
+def test_fetch_times_out_off_the_read_path():
     """A real side channel that never answers: the read path returns at once,
     and the fetch fails after its timeout."""
     zmq = pytest.importorskip("zmq")
     with zmq.Context() as ctx, ctx.socket(zmq.REP) as rep:
         rep.setsockopt(zmq.LINGER, 0)
         port = rep.bind_to_random_port("tcp://127.0.0.1")
-        worker = NixlVmmWorker(table, fetch_timeout_s=0.2)
+        # A reader with stock KV tensors (no page table) catches up too.
         agent = _Agent()
-        base = table.tensors[0].data_ptr()
-        worker.register(agent, ["DRAM"], False, [(base, base + 4096)], 0)
+        worker = NixlVmmWorker(agent, fetch_timeout_s=0.2)
         worker.add_peer("peer", f"tcp://127.0.0.1:{port}", b"get-meta")
         try:
             ready, failed, done, on_failed = _events()
@@ -234,20 +234,30 @@ def test_a_transfer_naming_unknown_peer_memory_does_not_wait(table):
 def test_register_checks_the_configuration(table):
     base = table.tensors[0].data_ptr()
     end = base + table.geometry.tensor_bytes[0]
+
+    def worker() -> NixlVmmWorker:
+        w = NixlVmmWorker(_Agent())
+        w.page_table = table
+        return w
+
     with pytest.raises(NotImplementedError, match="host transfer buffer"):
-        NixlVmmWorker(table).register(_Agent(), ["DRAM"], True, [], 0)
+        worker().register(["DRAM"], True, [], 0)
     with pytest.raises(NotImplementedError, match="one memory type"):
-        NixlVmmWorker(table).register(_Agent(), ["DRAM", "VRAM"], False, [], 0)
+        worker().register(["DRAM", "VRAM"], False, [], 0)
     with pytest.raises(NotImplementedError, match="outside the VMM reservations"):
-        NixlVmmWorker(table).register(_Agent(), ["DRAM"], False, [(base, end + 1)], 0)
-    worker = NixlVmmWorker(table)
-    agent = _Agent()
+        worker().register(["DRAM"], False, [(base, end + 1)], 0)
+    vmm = worker()
+    agent = vmm.agent
     table.map_pages([0])
-    worker.register(agent, ["DRAM"], False, [(base, end)], 0)
+    vmm.register(["DRAM"], False, [(base, end)], 0)
     try:
         assert len(agent.registered) == 1
+        # Registered chunk by chunk: nothing when no page is mapped, not
+        # the reservation; later maps follow.
+        table.map_pages([1])
+        assert len(agent.registered) == 2
     finally:
-        worker.close()
+        vmm.close()
     assert agent.registered == []
 
 

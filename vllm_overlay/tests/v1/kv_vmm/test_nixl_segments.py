@@ -17,7 +17,6 @@ import torch
 from tests.v1.kv_vmm.utils import requires_nixl
 
 
-
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
     # Both agents live in this process and exchange host memory: keep UCX on
@@ -362,8 +361,13 @@ def test_unmap_refuses_under_the_lock_if_a_transfer_started_after_the_wait():
     then still keeps its chunk mapped."""
     import numpy as np
 
-    from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable
-    from vllm.v1.kv_vmm import KVTensorLayout, VmmError
+    from vllm.v1.kv_vmm import (
+        HostVmmBackend,
+        KVPageGeometry,
+        KVPageTable,
+        KVTensorLayout,
+        VmmError,
+    )
     from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry
 
     backend = HostVmmBackend(2 << 20)

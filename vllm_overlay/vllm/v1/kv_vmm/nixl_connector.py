@@ -9,17 +9,18 @@ publication and read paths.
 
 Worker side (:class:`NixlVmmWorker`):
 
-- registers the KV memory per physical chunk of each mapped segment
+- with the page table: registers the KV memory per physical chunk of each mapped segment
   (:class:`~vllm.v1.kv_vmm.nixl_segments.NixlSegmentRegistry`) and wraps the
   NIXL agent so descriptor lists are resolved per transfer
   (:class:`~vllm.v1.kv_vmm.nixl_segments.SegmentedXferAgent`);
 - republishes the handshake payload when the registrations changed;
-- keeps peers' registrations current: a request names the registration
-  epoch its peer had when it finished the request, and a reader whose copy
-  of the peer's agent metadata is older fetches it again from the peer's
-  side channel *in the background* before the read (``catch_up``). The read
-  waits for the fetch like a request waits for a handshake; a fetch that
-  fails (or times out) fails the request like a failed handshake does.
+- with or without it: keeps VMM-backed peers' registrations current: a
+  request names the registration epoch its peer had when it finished the
+  request, and a reader whose copy of the peer's agent metadata is older
+  fetches it again from the peer's side channel *in the background* before
+  the read (``catch_up``). The read waits for the fetch like a request waits
+  for a handshake; a fetch that fails (or times out) fails the request like
+  a failed handshake does.
 
 Scheduler side (:class:`NixlVmmScheduler`): counts the registration epoch
 and serves the workers' republished payloads from the side channel.
@@ -66,10 +67,11 @@ def fetch_agent_metadata(path: str, request: bytes, timeout_s: float) -> bytes:
 
 
 class NixlVmmWorker:
-    """Worker-side NixlConnector state for VMM-backed KV memory.
+    """Worker-side NixlConnector state for VMM-backed KV memory, ours
+    (``page_table``, set when the model runner hands it over) and peers'.
 
     Args:
-        page_table: the KV page table the model runner handed over.
+        agent: the connector's ``nixl_agent``.
         fetch: ``(path, request, timeout_s) -> agent metadata`` of a peer;
             :func:`fetch_agent_metadata` unless a test replaces it.
         fetch_timeout_s: how long one background fetch may take.
@@ -78,13 +80,14 @@ class NixlVmmWorker:
 
     def __init__(
         self,
-        page_table: KVPageTable,
+        agent: Any,
         fetch: Callable[[str, bytes, float], bytes] = fetch_agent_metadata,
         fetch_timeout_s: float = FETCH_TIMEOUT_S,
     ) -> None:
-        self.page_table = page_table
+        self.page_table: KVPageTable | None = None
         self.registry: NixlSegmentRegistry | None = None
-        self.agent: SegmentedXferAgent | None = None
+        # The connector's agent; a SegmentedXferAgent once ours registers.
+        self.agent = agent
         self._fetch = fetch
         self.fetch_timeout_s = fetch_timeout_s
         # Registration generation and agent metadata of the published payload.
@@ -103,20 +106,20 @@ class NixlVmmWorker:
     # -- our registrations ------------------------------------------------
     def register(
         self,
-        agent: Any,
         mem_types: Iterable[str],
         use_host_buffer: bool,
         ranges: Iterable[tuple[int, int]],
         device_id: int,
         backends: list[str] | None = None,
     ) -> SegmentedXferAgent:
-        """Register the mapped segments with ``agent`` (and the segments
-        mapped later) instead of the KV tensors' storage; returns the agent
-        the connector uses from now on.
+        """Register the page table's mapped segments (and the segments mapped
+        later) instead of the KV tensors' storage; returns the agent the
+        connector uses from now on.
 
         ``ranges`` are the (start, end) byte ranges the connector would have
         registered; they must lie inside the page table's reservations.
         """
+        assert self.page_table is not None
         kinds = sorted(set(mem_types))
         if len(kinds) != 1 or use_host_buffer:
             raise NotImplementedError(
@@ -140,11 +143,14 @@ class NixlVmmWorker:
             )
         mem_type = kinds[0]
         self.registry = NixlSegmentRegistry(
-            agent, mem_type, 0 if mem_type == "DRAM" else device_id, backends=backends
+            self.agent,
+            mem_type,
+            0 if mem_type == "DRAM" else device_id,
+            backends=backends,
         )
         self.registry.attach(self.page_table)
         self.agent = SegmentedXferAgent(
-            agent, self.registry, refresh_remote=self._refresh_in_background
+            self.agent, self.registry, refresh_remote=self._refresh_in_background
         )
         logger.info(
             "VMM-backed KV cache: NIXL registers %d physical chunks now and "
@@ -155,6 +161,7 @@ class NixlVmmWorker:
 
     def _reservations(self) -> list[tuple[int, int]]:
         """The page table's reservations, adjacent ones merged."""
+        assert self.page_table is not None
         spans = sorted(
             (t.data_ptr(), t.data_ptr() + nbytes)
             for t, nbytes in zip(
@@ -183,7 +190,7 @@ class NixlVmmWorker:
         registry = self.registry
         if registry is None or registry.generation == self._published_generation:
             return None
-        assert self.agent is not None and self._agent_metadata is not None
+        assert self._agent_metadata is not None
         self._published_generation = registry.generation
         self._agent_metadata = dataclasses.replace(
             self._agent_metadata, agent_metadata=self.agent.get_agent_metadata()
@@ -299,7 +306,6 @@ class NixlVmmWorker:
         epoch, fut = fetched
         if fut.cancelled() or fut.exception() is not None:
             return False  # reported to the reads that waited for it
-        assert self.agent is not None
         # Loading the metadata of a known agent again updates its memory.
         self.agent.add_remote_agent(fut.result())
         self._epochs[agent_name] = max(self._epochs.get(agent_name, 0), epoch)
