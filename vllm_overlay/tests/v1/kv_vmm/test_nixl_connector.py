@@ -14,13 +14,13 @@ import time
 
 import msgspec
 import pytest
+
+from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 from vllm.v1.kv_vmm.nixl_connector import (
     NixlVmmScheduler,
     NixlVmmWorker,
     fetch_agent_metadata,
 )
-
-from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 
 
 class _Agent:
@@ -56,7 +56,7 @@ class _Fetch:
     def __init__(self) -> None:
         self.calls: list[tuple[str, bytes]] = []
         self.release = threading.Event()
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self.reply = b"peer-meta-1"
 
     def __call__(self, path: str, request: bytes, timeout_s: float) -> bytes:
@@ -93,10 +93,10 @@ def _worker(table, fetch) -> tuple[NixlVmmWorker, _Agent]:
 
 def _events():
     ready = threading.Event()
-    failed: list[BaseException] = []
+    failed: list[Exception] = []
     done = threading.Event()
 
-    def on_failed(e: BaseException) -> None:
+    def on_failed(e: Exception) -> None:
         failed.append(e)
         done.set()
 

@@ -29,7 +29,7 @@ and serves the workers' republished payloads from the side channel.
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -64,6 +64,16 @@ def fetch_agent_metadata(path: str, request: bytes, timeout_s: float) -> bytes:
     # release); only the NIXL agent metadata is needed.
     payload = msgspec.msgpack.decode(reply)
     return msgspec.msgpack.decode(payload["agent_metadata_bytes"])["agent_metadata"]
+
+
+def _failure(fut: "Future[bytes]") -> Exception | None:
+    """Why a finished fetch failed, or None."""
+    if fut.cancelled():
+        return CancelledError("the fetch was cancelled (connector shut down)")
+    error = fut.exception()
+    if error is None or isinstance(error, Exception):
+        return error
+    return RuntimeError(f"the fetch ended with {error!r}")
 
 
 class NixlVmmWorker:
@@ -224,7 +234,7 @@ class NixlVmmWorker:
         agent_names: Iterable[str],
         epoch: int,
         ready: Callable[[], None],
-        failed: Callable[[BaseException], None],
+        failed: Callable[[Exception], None],
     ) -> bool:
         """Whether our copies of the peers' registrations are at ``epoch``
         (the peers' kv_transfer_params say so) and a read may go ahead.
@@ -247,11 +257,11 @@ class NixlVmmWorker:
             if not fetches:
                 return True
         remaining = [len(fetches)]
-        errors: list[BaseException] = []
+        errors: list[Exception] = []
         counter = threading.Lock()
 
         def done(fut: Future[bytes]) -> None:
-            error = fut.exception()
+            error = _failure(fut)
             with counter:
                 if error is not None:
                     errors.append(error)
@@ -304,7 +314,7 @@ class NixlVmmWorker:
             return False
         del self._fetches[agent_name]
         epoch, fut = fetched
-        if fut.cancelled() or fut.exception() is not None:
+        if _failure(fut) is not None:
             return False  # reported to the reads that waited for it
         # Loading the metadata of a known agent again updates its memory.
         self.agent.add_remote_agent(fut.result())
