@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NixlVmmWorker and NixlVmmScheduler: the NixlConnector state for
-VMM-backed KV memory.
+VMM-backed KV memory; and the order of NixlSegmentRegistry's checks on unmap.
 
 The peer fetches are about ordering (the read path must not wait for them),
 so the tests control when a fetch returns; the timeout test uses a real ZMQ
@@ -65,6 +65,56 @@ class _Fetch:
         if self.error is not None:
             raise self.error
         return self.reply
+
+
+class _ScriptedAgent(_Agent):
+    """Also answers transfer states from a script: the test is about the order
+    of checks, not about moving bytes."""
+
+    def __init__(self, states: list[str]) -> None:
+        super().__init__()
+        self.states = states
+
+    def check_xfer_state(self, handle) -> str:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def test_unmap_refuses_under_the_lock_if_a_transfer_started_after_the_wait():
+    """The wait runs before the page table's lock is taken; the deregistration
+    under the lock checks again without waiting, so a transfer in flight by
+    then still keeps its chunk mapped."""
+    import numpy as np
+
+    from vllm.v1.kv_vmm import VmmError
+    from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry
+
+    backend = HostVmmBackend(2 << 20)
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=2 << 20, num_regions=1)],
+        num_blocks=2,
+        granularity=backend.granularity,
+    )
+    table = KVPageTable(backend, geometry, max_pages=2)
+    # First query (the wait, outside the lock): done; second (under it): in flight.
+    agent = _ScriptedAgent(["DONE", "PROC"])
+    registry = NixlSegmentRegistry(agent, "DRAM", 0, unmap_timeout_s=60.0)
+    try:
+        registry.attach(table)
+        table.map_pages([0, 1])
+        base = table.tensors[0].data_ptr()
+        registry.track("xfer", np.array([(base, 4096, 0)], dtype=np.uint64))
+        with pytest.raises(VmmError, match="segment 0 cannot be unmapped"):
+            table.unmap_pages([0])
+        assert table.is_mapped(0) and len(agent.registered) == 2
+        # Once it is done, the unmap deregisters and gives the chunk back.
+        agent.states = ["DONE"]
+        assert table.unmap_pages([0]) == [0]
+        assert not table.is_mapped(0) and len(agent.registered) == 1
+    finally:
+        agent.states = ["DONE"]
+        table.close()
+        registry.close()
+        backend.close()
 
 
 @pytest.fixture
