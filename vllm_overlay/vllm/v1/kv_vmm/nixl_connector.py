@@ -346,7 +346,7 @@ class NixlVmmScheduler:
         this step name the new epoch, and by the time a peer sees it the
         side channel serves the new registrations (``serve`` runs in the
         same update as request_finished)."""
-        if getattr(scheduler_output, "kv_page_ops", None):
+        if scheduler_output.kv_page_ops:
             self.epoch += 1
 
     def transfer_params(self) -> dict[str, int]:
