@@ -221,13 +221,14 @@ def test_fetch_times_out_off_the_read_path():
         port = rep.bind_to_random_port("tcp://127.0.0.1")
         # A reader with stock KV tensors (no page table) catches up too.
         agent = _Agent()
-        worker = NixlVmmWorker(agent, fetch_timeout_s=0.2)
+        worker = NixlVmmWorker(agent, fetch_timeout_s=2.0)
         worker.add_peer("peer", f"tcp://127.0.0.1:{port}", b"get-meta")
         try:
             ready, failed, done, on_failed = _events()
             start = time.monotonic()
             assert not worker.catch_up(["peer"], 1, ready.set, on_failed)
-            assert time.monotonic() - start < 0.1
+            # Well under the fetch's timeout: the read path did not wait for it.
+            assert time.monotonic() - start < 1.0
             assert rep.recv() == b"get-meta"  # asked, never answered
             assert done.wait(30)
             assert isinstance(failed[0], zmq.Again) and not ready.is_set()
