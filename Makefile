@@ -26,7 +26,7 @@ smoke:  ## short end-to-end generation through the patched engine
 refresh:  ## write the build tree's commits back to patches/vX/
 	$(S)/refresh.py
 
-export:  ## the series as upstream-ready patches with Signed-off-by, in build/export/
+export:  ## the series as upstream-ready patches, one per topic, authored + signed off by you, in build/export/
 	$(S)/export.py
 
 rebase:  ## carry the series FROM=<release> TO=<release>; writes patches/vTO/ + a range-diff in docs/

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import Server, _free_port  # noqa: E402
+from bench_server import Server, _free_port  # noqa: E402
 
 # NixlConnector's prefill-side request fields, as a disaggregating proxy sends them.
 PREFILL_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,

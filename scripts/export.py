@@ -1,44 +1,301 @@
 #!/usr/bin/env python3
-"""Export the whole series of a release (overlay included) as upstream-ready patches.
+"""Export the series of a release as upstream-ready patches, one per topic.
 
   python3 scripts/export.py --version 0.32.0 [--out DIR]
 
-Writes `git format-patch` files of every commit after the pristine tag into
-build/export/vllm-X/ (or --out), with your Signed-off-by added (DCO) and the overlay commit
-authored by you. Refuses if the build tree is not exactly the current series. Before it
-reports success it checks that the files are what a reviewer gets: `git am` of them, in order,
-onto the pristine release gives exactly the patched tree.
+Writes one `git format-patch` file per patch of the series into build/export/vllm-X/ (or
+--out). The overlay is not sent as a commit of its own: each of its files goes into the first
+patch, in series order, that uses it (see `place_overlay` and docs/CONTRIBUTING.md, "Export a
+patch as an upstream PR"), so every patch brings the new files it needs and nothing else.
+Every exported commit is authored by you and carries your `Signed-off-by:`, from the
+`user.name` / `user.email` git config of this checkout. Refuses if the build tree is not
+exactly the current series. Before it reports success it checks that the files are what a
+reviewer gets: `git am` of them, in order, onto the pristine release gives, patch by patch,
+the commits it exported and, at the end, exactly the patched tree (less the overlay files the
+release does not use, which it names).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
 import sys
-from pathlib import Path
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from buildtree import (  # noqa: E402
     commits_after, desired_patches, recorded_commits, require_applied_tree, scratch_worktree,
 )
 from seriestool import (  # noqa: E402
-    HARNESS_IDENT, SeriesError, build_dir, format_patch_args, get_release, git, git_out,
-    main_guard, overlay_digest, read_state, run,
+    HARNESS_IDENT, ROOT, SeriesError, build_dir, format_patch_args, get_release, git, git_out,
+    main_guard, overlay_digest, overlay_files, read_state, run,
 )
 
+SIGNOFF_RE = re.compile(r"^Signed-off-by: (?P<name>[^<>\n]*\S) <(?P<email>[^<>\s@]+@[^<>\s]+)>$")
 
-def user_ident(tree: Path) -> tuple[str, str]:
-    proc = run(["git", "var", "GIT_AUTHOR_IDENT"], cwd=tree, check=False)
-    m = re.match(r"(.*) <(.*)> \d+ [+-]\d{4}$", (proc.stdout or "").strip())
-    if proc.returncode != 0 or not m or m.group(2) == HARNESS_IDENT["GIT_AUTHOR_EMAIL"]:
+
+def user_ident(checkout: Path = ROOT) -> tuple[str, str]:
+    """user.name and user.email from the git config of the checkout the export runs from."""
+
+    def config(key: str) -> str:
+        proc = run(["git", "config", "--get", key], cwd=checkout, check=False)
+        return (proc.stdout or "").strip() if proc.returncode == 0 else ""
+
+    name, email = config("user.name"), config("user.email")
+    problem = ""
+    if not name or not email:
+        unset = " and ".join(k for k, v in (("user.name", name), ("user.email", email)) if not v)
+        problem = f"git config {unset} is not set"
+    elif email == HARNESS_IDENT["GIT_AUTHOR_EMAIL"]:
+        problem = f"git config user.email is the harness's own identity ({email})"
+    elif not SIGNOFF_RE.match(f"Signed-off-by: {name} <{email}>"):
+        problem = (f"git config user.name/user.email ({name!r} / {email!r}) is not a name "
+                   "and an email")
+    if problem:
         raise SeriesError(
-            "git does not know who you are, so the export cannot carry your Signed-off-by.",
+            f"{problem}, so the export cannot be authored by you or carry your Signed-off-by "
+            "(the Developer Certificate of Origin needs a real name and email).",
             "Set it: `git config --global user.name 'Your Name'` and "
-            "`git config --global user.email you@example.com`, then export again.",
+            "`git config --global user.email you@example.com` (or without --global in this "
+            "checkout), then export again.",
         )
-    return m.group(1), m.group(2)
+    return name, email
+
+
+# ---------------------------------------------------------------------------------------------
+# Which patch each overlay file goes into
+
+TEST_NAME = re.compile(r"^(test_.*|.*_test)\.py$")
+DOTTED = re.compile(r"\b(?:vllm|tests)(?:\.[A-Za-z_]\w*)+")
+PATHLIKE = re.compile(r"\b(?:vllm|tests)(?:/[\w.-]+)+")
+
+
+def is_test_side(rel: str) -> bool:
+    return rel.startswith("tests/")
+
+
+def is_test_file(rel: str) -> bool:
+    return is_test_side(rel) and bool(TEST_NAME.match(PurePosixPath(rel).name))
+
+
+def is_compat(rel: str) -> bool:
+    """A compat module: shims for what some releases lack, imported only from their glue."""
+    p = PurePosixPath(rel)
+    return p.name in ("compat.py", "_compat.py") or "compat" in p.parts[:-1]
+
+
+def module_of(rel: str) -> str | None:
+    p = PurePosixPath(rel)
+    if p.suffix != ".py":
+        return None
+    parts = list(p.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def references(rel: str, text: str, modules: dict[str, str], paths: set[str]) -> set[str]:
+    """Overlay files that file `rel` (contents `text`) refers to: imports (absolute or
+    relative, lazy ones too), dotted module paths and file paths anywhere in the text."""
+    names: set[str] = set(DOTTED.findall(text))
+    if rel.endswith(".py"):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            tree = None
+        package = PurePosixPath(rel).parent.parts
+        for node in ast.walk(tree) if tree else ():
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - (node.level - 1)]
+                    mod = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    mod = node.module or ""
+                names.add(mod)
+                names.update(f"{mod}.{a.name}" for a in node.names)
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            hit = modules.get(".".join(parts[:n]))
+            if hit:
+                found.add(hit)
+                break
+    found.update(m for m in PATHLIKE.findall(text) if m in paths)
+    found.discard(rel)
+    return found
+
+
+@dataclass
+class Placement:
+    """Where each overlay file goes: index into the topic commits, or dropped (and why)."""
+
+    at: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    def files_of(self, index: int) -> list[str]:
+        return sorted(f for f, i in self.at.items() if i == index)
+
+
+def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placement:
+    """The rule (docs/CONTRIBUTING.md, "Export a patch as an upstream PR"):
+
+    - a file outside tests/ goes into the first patch that uses it: refers to it (import,
+      module path, file path) or uses an overlay file that does (transitively); a module
+      needs its package's __init__.py, so that goes with it;
+    - a test file (tests/**/test_*.py) goes with the module it tests: into the patch where the
+      last overlay file it needs (its imports, its conftest.py/__init__.py, through support
+      modules such as utils.py) arrives, or earlier where a patch names it;
+    - other files under tests/ (conftest.py, utils.py, __init__.py) go with the first test
+      that needs them;
+    - unused: a compat module (compat.py, _compat.py, compat/) is dropped (the release needs
+      none); a directory of the overlay none of whose files the release uses is a topic the
+      release does not carry and is dropped; any other unused file is an error.
+    """
+    modules = {m: rel for rel in files if (m := module_of(rel))}
+    paths = set(files)
+    deps = {rel: references(rel, text, modules, paths) for rel, text in files.items()}
+    for rel in files:  # a module needs the __init__.py of each package it is in
+        for parent in PurePosixPath(rel).parents:
+            init = str(parent / "__init__.py")
+            if init in files and init != rel:
+                deps[rel].add(init)
+        if is_test_file(rel):  # and a test its conftest.py files
+            for parent in PurePosixPath(rel).parents:
+                conf = str(parent / "conftest.py")
+                if conf in files:
+                    deps[rel].add(conf)
+    placed = Placement()
+    first_ref: dict[str, int] = {}
+    for i, refs in enumerate(patch_refs):
+        for rel in refs:
+            first_ref.setdefault(rel, i)
+
+    # Files outside tests/: the first patch that uses them, directly or through each other.
+    at = {rel: i for rel, i in first_ref.items() if not is_test_side(rel)}
+    changed = True
+    while changed:
+        changed = False
+        for user, i in list(at.items()):
+            for dep in deps[user]:
+                if not is_test_side(dep) and at.get(dep, len(patch_refs)) > i:
+                    at[dep] = i
+                    changed = True
+    unused = sorted(rel for rel in files if not is_test_side(rel) and rel not in at)
+    by_dir: dict[str, list[str]] = {}
+    for rel in files:
+        if not is_test_side(rel):
+            by_dir.setdefault(str(PurePosixPath(rel).parent), []).append(rel)
+    orphans = []
+    for rel in unused:
+        if is_compat(rel):
+            placed.dropped[rel] = "compat module no patch of this release imports"
+        elif not any(f in at for f in by_dir[str(PurePosixPath(rel).parent)]):
+            placed.dropped[rel] = "no patch of this release uses its directory (topic not carried)"
+        else:
+            orphans.append(rel)
+
+    # Test files: where the last file they need arrives (earlier if a patch names them).
+    def closure(rel: str) -> set[str]:
+        seen, todo = set(), [rel]
+        while todo:
+            for dep in deps[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    if is_test_side(dep) and not is_test_file(dep):
+                        todo.append(dep)
+        return seen
+
+    tests_at: dict[str, int] = {}
+    for rel in sorted(files):
+        if not is_test_file(rel):
+            continue
+        needs = {d for d in closure(rel) if not is_test_side(d)}
+        if needs and needs <= set(placed.dropped):
+            placed.dropped[rel] = "tests only files this release does not carry"
+            continue
+        if not needs - set(placed.dropped) and rel not in first_ref:
+            orphans.append(rel)
+            continue
+        i = max((at[d] for d in needs if d in at), default=first_ref.get(rel, 0))
+        if needs - set(at) - set(placed.dropped):
+            continue  # needs an unused file: reported with it
+        tests_at[rel] = min(i, first_ref.get(rel, i))
+    # Support files under tests/: with the first test that needs them.
+    for rel in sorted(files):
+        if not is_test_side(rel) or is_test_file(rel):
+            continue
+        users = [i for t, i in tests_at.items() if rel in closure(t)]
+        if rel in first_ref:
+            users.append(first_ref[rel])
+        if users:
+            at[rel] = min(users)
+        elif all(t in placed.dropped for t in files if is_test_file(t) and rel in closure(t)) \
+                and any(is_test_file(t) and rel in closure(t) for t in files):
+            placed.dropped[rel] = "used only by tests this release does not carry"
+        else:
+            orphans.append(rel)
+    at.update(tests_at)
+    if orphans:
+        raise SeriesError(
+            "these overlay files are used by no patch of the series, so the export has no "
+            "patch to send them with:\n  " + "\n  ".join(sorted(orphans)) + "\n(a patch uses a "
+            "file when it imports it or names its module or path, directly or through another "
+            "overlay file; a test goes with the modules it imports)",
+            "Use them from the patch they belong to, or delete them from vllm_overlay/ "
+            "(a shim some releases need is a compat module: name it compat.py).",
+        )
+    placed.at = {rel: i for rel, i in at.items() if rel not in placed.dropped}
+    return placed
+
+
+def patch_references(tree: Path, commit: str, modules: dict[str, str],
+                     paths: set[str]) -> set[str]:
+    """Overlay files the files a topic commit changes refer to, as they are after it."""
+    changed = git_out(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
+                      f"{commit}^", commit)
+    found: set[str] = set()
+    for rel in filter(None, changed.split("\0")):
+        proc = git(tree, "show", f"{commit}:{rel}", check=False)
+        if proc.returncode == 0:
+            found |= references(rel, proc.stdout or "", modules, paths)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The exported commits
+
+
+def signed_message(message: str, name: str, email: str) -> str:
+    """The commit message with the exporter's Signed-off-by as the last trailer: the series'
+    sign-off with the same email is replaced, any other kept; every one must be well-formed."""
+    lines = message.rstrip("\n").split("\n")
+    mine = f"Signed-off-by: {name} <{email}>"
+    kept = [ln for ln in lines if not (ln.startswith("Signed-off-by:")
+                                        and ln.rstrip().endswith(f"<{email}>"))]
+    while kept and not kept[-1].strip():
+        kept.pop()
+    last_para = []
+    for ln in reversed(kept):
+        if not ln.strip():
+            break
+        last_para.append(ln)
+    is_trailers = bool(last_para) and len(kept) > len(last_para) and all(
+        re.match(r"^[A-Za-z][\w-]*: \S", ln) for ln in last_para)
+    out = [*kept, mine] if is_trailers else [*kept, "", mine]
+    for ln in out:
+        if ln.startswith("Signed-off-by") and not SIGNOFF_RE.match(ln):
+            raise SeriesError(f"a commit message has a malformed sign-off line: {ln!r}",
+                              "Fix it in the build tree (`git rebase -i`), `make refresh`, "
+                              "then export again.")
+    return "\n".join(out) + "\n"
 
 
 def export(release, out: Path) -> list[Path]:
@@ -57,26 +314,67 @@ def export(release, out: Path) -> list[Path]:
             f"`make apply VLLM_VERSION={release.version}` to bring the tree up to date, then "
             "export again.",
         )
-    name, email = user_ident(tree)
+    name, email = user_ident()
+    overlay_commit, topics = commits[0], commits[1:]
+    if not topics:
+        raise SeriesError(f"the series of {release.tag} has no patch to export.")
+    files = {str(rel): git(tree, "show", f"{overlay_commit}:{rel}").stdout
+             for rel in overlay_files()}
+    modules = {m: rel for rel in files if (m := module_of(rel))}
+    refs = [patch_references(tree, c, modules, set(files)) for c in topics]
+    names = [git_out(tree, "log", "-1", "--format=%s", c) for c in topics]
+    placed = place_overlay(files, refs)
+    exported = build_commits(tree, release.tag, topics, placed, name, email)
+
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    # The user's own git config applies here (identity for --signoff), unlike harness commits.
     args = [a for a in format_patch_args() if a != "--zero-commit"]
-    run(["git", *args, "--signoff", "-o", str(out), f"{release.tag}..HEAD"], cwd=tree)
-    files = sorted(out.glob("*.patch"))
-    harness_from = f"From: {HARNESS_IDENT['GIT_AUTHOR_NAME']} <{HARNESS_IDENT['GIT_AUTHOR_EMAIL']}>"
-    for f in files:
-        text = f.read_text()
-        text = text.replace(harness_from, f"From: {name} <{email}>", 1)
-        if "\nSigned-off-by: " not in text.split("\n---\n", 1)[0]:
-            raise SeriesError(f"{f.name} has no Signed-off-by line after export.")
-        f.write_text(text)
-    check_round_trip(tree, release, files)
-    return files
+    git(tree, *args, "-o", str(out), f"{release.tag}..{exported[-1]}", dated=False)
+    patches = sorted(out.glob("*.patch"))
+    check_round_trip(tree, release, patches, exported=exported, dropped=sorted(placed.dropped))
+    for i, name_ in enumerate(names):
+        added = placed.files_of(i)
+        if added:
+            print(f"{name_}: with {len(added)} overlay files: {', '.join(added)}")
+    for rel, why in sorted(placed.dropped.items()):
+        print(f"not exported: {rel} ({why})")
+    return patches
 
 
-def check_round_trip(tree: Path, release, files: list[Path]) -> None:
-    """`git am` of `files` onto pristine vX must reproduce the patched tree byte for byte.
+def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, name: str,
+                  email: str) -> list[str]:
+    """One commit per topic on the pristine tag: the topic's tree less the overlay files of
+    later topics (and the dropped ones), your identity, the message signed off by you."""
+    ident = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
+             "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
+    parent = git_out(tree, "rev-parse", f"{base}^{{commit}}")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**ident, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        for i, commit in enumerate(topics):
+            git(tree, "read-tree", commit, env=env)
+            later = [f for f, at in placed.at.items() if at > i] + list(placed.dropped)
+            if later:
+                git(tree, "update-index", "--force-remove", "--", *sorted(later), env=env)
+            new_tree = git_out_env(tree, env, "write-tree")
+            msg = Path(tmp) / "msg"
+            msg.write_text(signed_message(git_out(tree, "log", "-1", "--format=%B", commit),
+                                          name, email))
+            parent = git_out_env(tree, env, "commit-tree", new_tree, "-p", parent, "-F",
+                                 str(msg), dated=False)
+            out.append(parent)
+    return out
+
+
+def git_out_env(tree: Path, env: dict, *args: str, dated: bool = True) -> str:
+    return git(tree, *args, env=env, dated=dated).stdout.strip()
+
+
+def check_round_trip(tree: Path, release, files: list[Path], exported: list[str] | None = None,
+                     dropped: list[str] | None = None) -> None:
+    """`git am` of `files` onto pristine vX must reproduce the patched tree byte for byte,
+    less the `dropped` overlay files; with `exported`, each patch must also give exactly the
+    tree of the commit it was made from.
 
     Plain `git am`, as a contributor or reviewer runs it: no --3way, no --keep-cr."""
     with scratch_worktree(tree, release.tag, "export-check") as wt:
@@ -91,15 +389,31 @@ def check_round_trip(tree: Path, release, files: list[Path]) -> None:
                 "Re-make the commit that fails so it applies as sent (a file with CRLF line ends, "
                 "for example, loses its CRs in `git am`), `make refresh`, then export again.",
             )
-        diff = git_out(wt, "diff", "--stat", "HEAD", git_out(tree, "rev-parse", "HEAD"))
-        if diff:
+        excluded = [f":(exclude){p}" for p in dropped or []]
+        diff = git_out(wt, "diff", "--stat", "HEAD", git_out(tree, "rev-parse", "HEAD"),
+                       "--", ".", *excluded)
+        missing = [p for p in dropped or []
+                   if git(wt, "cat-file", "-e", f"HEAD:{p}", check=False).returncode == 0]
+        if diff or missing:
             raise SeriesError(
                 f"`git am` of the exported patches onto pristine {release.tag} does not "
-                f"reproduce the patched tree; these files would reach a reviewer altered:\n{diff}",
+                f"reproduce the patched tree; these files would reach a reviewer altered:\n"
+                f"{diff}{''.join(f'{chr(10)} {p} (meant to be left out)' for p in missing)}",
                 "Do not send these patches. Re-make the commits that touch those files so they "
                 "survive `git am` (CRLF line ends, for example, lose their CRs), `make refresh`, "
                 "then export again.",
             )
+        if exported:
+            applied = commits_after(wt, release.tag)
+            bad = [Path(f).name for f, a, e in zip(files, applied, exported)
+                   if git_out(wt, "rev-parse", f"{a}^{{tree}}")
+                   != git_out(tree, "rev-parse", f"{e}^{{tree}}")]
+            if bad or len(applied) != len(exported):
+                raise SeriesError(
+                    "`git am` of the exported patches does not give the commits they were "
+                    f"made from: {', '.join(bad) or f'{len(applied)} of {len(exported)} applied'}.",
+                    "Do not send these patches; report this as a bug of scripts/export.py.",
+                )
 
 
 def main() -> None:

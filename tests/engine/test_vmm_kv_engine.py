@@ -215,9 +215,9 @@ def test_vmm_tensor_parallel_2(kv_model, monkeypatch):
 
 def _kv_page_metrics(llm) -> dict[str, float]:
     """The VMM KV page metrics of engine 0, as vLLM's Prometheus stat logger recorded them."""
-    names = {"vllm:kv_cache_mapped_bytes", "vllm:kv_cache_mapped_pages",
-             "vllm:kv_cache_page_limit", "vllm:kv_cache_pages_mapped",
-             "vllm:kv_cache_pages_unmapped"}
+    names = {"vllm:kv_cache_vmm_mapped_bytes", "vllm:kv_cache_vmm_mapped_pages",
+             "vllm:kv_cache_vmm_page_limit", "vllm:kv_cache_vmm_page_maps",
+             "vllm:kv_cache_vmm_page_unmaps"}
     return {m.name: m.value for m in llm.get_metrics()
             if m.name in names and m.labels.get("engine") == "0"}
 
@@ -245,28 +245,28 @@ def test_vmm_metrics_follow_load(kv_model):
         llm.generate(small, params)
         idle = _kv_page_metrics(llm)
         page = llm.collective_rpc(_worker_stats)[0]["page_bytes"]
-        assert idle["vllm:kv_cache_mapped_pages"] == 2  # null block's page + headroom
-        assert idle["vllm:kv_cache_mapped_bytes"] == 2 * page
-        assert idle["vllm:kv_cache_page_limit"] >= 4
-        assert idle["vllm:kv_cache_pages_mapped"] == 2
-        assert idle["vllm:kv_cache_pages_unmapped"] == 0
+        assert idle["vllm:kv_cache_vmm_mapped_pages"] == 2  # null block's page + headroom
+        assert idle["vllm:kv_cache_vmm_mapped_bytes"] == 2 * page
+        assert idle["vllm:kv_cache_vmm_page_limit"] >= 4
+        assert idle["vllm:kv_cache_vmm_page_maps"] == 2
+        assert idle["vllm:kv_cache_vmm_page_unmaps"] == 0
 
         # 8 x 600 tokens: 40 blocks of 128 tokens, more than the 31 of the startup pages.
         llm.generate([{"prompt_token_ids": p} for p in _prompts()[0]], params)
         loaded = _kv_page_metrics(llm)
-        assert loaded["vllm:kv_cache_mapped_pages"] >= 4
-        assert loaded["vllm:kv_cache_mapped_bytes"] == (
-            loaded["vllm:kv_cache_mapped_pages"] * page)
-        assert loaded["vllm:kv_cache_pages_mapped"] >= 4
+        assert loaded["vllm:kv_cache_vmm_mapped_pages"] >= 4
+        assert loaded["vllm:kv_cache_vmm_mapped_bytes"] == (
+            loaded["vllm:kv_cache_vmm_mapped_pages"] * page)
+        assert loaded["vllm:kv_cache_vmm_page_maps"] >= 4
 
         # The idle shrink ran after the batch; the next request's stats show it.
         _wait_idle_stats(llm)
         llm.generate(small, params)
         after = _kv_page_metrics(llm)
-        assert after["vllm:kv_cache_pages_unmapped"] >= 2
-        assert after["vllm:kv_cache_mapped_bytes"] <= idle["vllm:kv_cache_mapped_bytes"] + page
+        assert after["vllm:kv_cache_vmm_page_unmaps"] >= 2
+        assert after["vllm:kv_cache_vmm_mapped_bytes"] <= idle["vllm:kv_cache_vmm_mapped_bytes"] + page
         # The scheduler's account is the workers' memory (one rank here).
-        assert after["vllm:kv_cache_mapped_bytes"] == (
+        assert after["vllm:kv_cache_vmm_mapped_bytes"] == (
             llm.collective_rpc(_worker_stats)[0]["kv_mapped_bytes"])
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -357,3 +357,18 @@ def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def test_vmm_refuses_sleep_mode_when_the_config_is_made(kv_model, monkeypatch):
+    """Sleep mode would keep VMM KV pages (they are not in the pool it frees): the engine
+    arguments are refused before anything starts, naming both options."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    # The CPU platform has no sleep mode; pretend it has, as a CUDA host does.
+    monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: True)
+    args = dict(model=str(kv_model), load_format="dummy", skip_tokenizer_init=True,
+                enforce_eager=True, max_model_len=1024, enable_sleep_mode=True)
+    EngineArgs(**args).create_engine_config()  # the default KV memory may sleep
+    with pytest.raises(ValueError, match=r"--kv-cache-memory-backend vmm.*--enable-sleep-mode"):
+        EngineArgs(**args, kv_cache_memory_backend="vmm").create_engine_config()

@@ -176,7 +176,7 @@ def test_vmm_openai_server_tensor_parallel_2(gpu_model: Path, executor: str, tmp
         status, body = _http(f"{base}/metrics")
         assert status == 200
         mapped = [line for line in body.decode().splitlines()
-                  if line.startswith("vllm:kv_cache_mapped_bytes{")]
+                  if line.startswith("vllm:kv_cache_vmm_mapped_bytes{")]
         assert mapped and float(mapped[0].rsplit(" ", 1)[1]) > 0, mapped
 
         status, body = _http(f"{base}/kv_cache/page_limit?max_pages=4", {})

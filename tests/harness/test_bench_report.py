@@ -22,13 +22,13 @@ RUN2 = {**RUN1, "date": "d2", "command": "python3 scripts/bench.py --items 5,6"}
 
 
 def _ab(a: list[float], b: list[float]) -> dict:
-    from bench import summarize
+    from bench_items import summarize
 
     return summarize(a, b)
 
 
 def test_ab_order_interleaves_and_summary_pairs_ratios():
-    from bench import ab_order
+    from bench_items import ab_order
 
     assert ab_order(3) == ["default", "vmm", "vmm", "default", "default", "vmm"]
     s = _ab([10.0, 20.0, 30.0], [11.0, 18.0, 30.0])

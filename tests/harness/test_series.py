@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
-from conftest import Project, add_patch, make_sdist, write_matrix
+import pytest
+
+from conftest import ROOT, Project, add_patch, make_sdist, write_matrix
 
 V1, V2 = "1.0.0", "2.0.0"
 
@@ -226,29 +230,160 @@ def test_overlay_may_not_replace_upstream_files(project: Project):
     assert proc.returncode == 1 and "new files only" in proc.stderr and "vllm/core.py" in proc.stderr
 
 
-def test_export_adds_signoff_and_author(project: Project):
+def _exporter(project: Project, name: str = "Queue Dev", email: str = "queue@example.com"):
+    """The environment of a contributor whose git config says who they are."""
+    cfg = project.root / "exporter.gitconfig"
+    lines = ["[user]"] + ([f"\tname = {name}"] if name else []) + (
+        [f"\temail = {email}"] if email else [])
+    cfg.write_text("\n".join(lines) + "\n")
+    return {"GIT_CONFIG_GLOBAL": str(cfg), "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def _export(project: Project, version: str = V1, check: bool = True, **ident):
+    out = project.root / "out"
+    proc = project.run("export.py", "--version", version, "--out", str(out), check=check,
+                       env=_exporter(project, **ident))
+    return proc, sorted(out.glob("*.patch"))
+
+
+def _files_in(patch: Path) -> list[str]:
+    return sorted(line.split(" b/", 1)[1] for line in patch.read_text().splitlines()
+                  if line.startswith("diff --git "))
+
+
+def _overlay(project: Project, files: dict[str, str]) -> None:
+    shutil.rmtree(project.overlay)
+    for rel, text in files.items():
+        (project.overlay / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project.overlay / rel).write_text(text)
+
+
+NEWPKG = {
+    "vllm/newpkg/__init__.py": "X = 1\n",
+    "vllm/newpkg/base.py": "def base():\n    return 1\n",
+    # mod uses base only lazily; base must still arrive no later than mod.
+    "vllm/newpkg/mod.py": "def f():\n    from vllm.newpkg.base import base\n"
+                          "    return base()\n",
+    "tests/newpkg/__init__.py": "",
+    "tests/newpkg/conftest.py": "from tests.newpkg.utils import FIXTURE  # noqa: F401\n",
+    "tests/newpkg/utils.py": "FIXTURE = 1\n",
+    "tests/newpkg/test_base.py": "from vllm.newpkg import base\n",
+    "tests/newpkg/test_mod.py": "from vllm.newpkg.mod import f\n",
+}
+
+
+def test_export_folds_each_overlay_file_into_the_first_patch_that_uses_it(project: Project):
+    _overlay(project, NEWPKG)
     add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
-    proc = project.run("export.py", "--version", V1, "--out", str(project.root / "out"))
-    files = sorted((project.root / "out").glob("*.patch"))
-    assert [f.name for f in files] == ["0001-Core-Overlay.patch", "0002-Core-A.patch"], proc.stdout
-    overlay = files[0].read_text()
-    assert "From: Test Dev <dev@example.com>" in overlay
-    assert "Signed-off-by: Test Dev <dev@example.com>" in overlay
-    assert "kv-series@localhost" not in overlay
-    assert "newpkg/__init__.py" in overlay
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    from vllm.newpkg.base import base  # noqa: F401\n",
+              "[Core] B uses the base")
+    add_patch(project, V1, "vllm/core.py", "def f9(x):\n",
+              "def f9(x):\n    from vllm.newpkg import (  # noqa: F401\n        mod,\n    )\n",
+              "[Core] C uses the module")
+    proc, files = _export(project)
+    assert [f.name for f in files] == ["0001-Core-A.patch", "0002-Core-B-uses-the-base.patch",
+                                       "0003-Core-C-uses-the-module.patch"], proc.stdout
+    assert _files_in(files[0]) == ["vllm/core.py"]
+    # B: the base, its package's __init__.py, the test of the base with what it needs.
+    assert _files_in(files[1]) == [
+        "tests/newpkg/__init__.py", "tests/newpkg/conftest.py", "tests/newpkg/test_base.py",
+        "tests/newpkg/utils.py", "vllm/core.py", "vllm/newpkg/__init__.py",
+        "vllm/newpkg/base.py"]
+    assert _files_in(files[2]) == ["tests/newpkg/test_mod.py", "vllm/core.py",
+                                   "vllm/newpkg/mod.py"]
+    assert "Overlay" not in proc.stdout and "not exported" not in proc.stdout
+    # A reviewer's `git am` onto the release gives the build tree, commit by commit.
+    reviewer = project.root / "reviewer"
+    subprocess.run(["git", "clone", "-q", "--branch", f"v{V1}", str(project.tree(V1)),
+                    str(reviewer)], check=True, env=project.env, capture_output=True)
+    subprocess.run(["git", "-C", str(reviewer), "am", "-q", *map(str, files)], check=True,
+                   env=project.env, capture_output=True)
+
+    def tree_id(path, rev="HEAD"):
+        return subprocess.run(["git", "-C", str(path), "rev-parse", f"{rev}^{{tree}}"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    assert tree_id(reviewer) == tree_id(project.tree(V1))
+    ls = subprocess.run(["git", "-C", str(reviewer), "ls-tree", "-r", "--name-only", "HEAD~1"],
+                        check=True, capture_output=True, text=True).stdout.split()
+    assert "vllm/newpkg/base.py" in ls and "vllm/newpkg/mod.py" not in ls
+
+
+def test_export_authors_and_signs_off_as_the_contributor(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    # The series' own sign-off (the identity of commit_in_tree) is kept; the exporter's last.
+    _, files = _export(project)
+    text = files[0].read_text()
+    head, _, _ = text.partition("\n---\n")
+    assert "From: Queue Dev <queue@example.com>" in head
+    assert "kv-series@localhost" not in text and "Test Dev <dev@example.com>\n" not in head[:200]
+    trailers = head.rstrip().split("\n\n")[-1].splitlines()
+    assert trailers == ["Signed-off-by: Test Dev <dev@example.com>",
+                        "Signed-off-by: Queue Dev <queue@example.com>"], head
+    # Exporting with the series' own email: one sign-off, the exporter's name, not two.
+    _, files = _export(project, name="Test Developer", email="dev@example.com")
+    head = files[0].read_text().partition("\n---\n")[0]
+    assert head.count("Signed-off-by:") == 1
+    assert head.rstrip().endswith("Signed-off-by: Test Developer <dev@example.com>")
+
+
+def test_export_refuses_without_a_git_identity(project: Project):
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    proc, files = _export(project, check=False, email="")
+    assert proc.returncode == 1 and "user.email is not set" in proc.stderr, proc.stderr
+    assert "git config --global user.email" in proc.stderr and not files
+
+
+def test_export_refuses_an_overlay_file_no_patch_uses(project: Project):
+    _overlay(project, {**NEWPKG, "vllm/newpkg/dead.py": "DEAD = 1\n",
+                       "tests/newpkg/test_nothing.py": "def test_x():\n    pass\n"})
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    import vllm.newpkg.mod  # noqa: F401\n", "[Core] B")
+    proc, files = _export(project, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "used by no patch" in proc.stderr
+    named = proc.stderr.split("used by no patch", 1)[1].split("(a patch uses", 1)[0]
+    assert sorted(named.split()[-2:]) == ["tests/newpkg/test_nothing.py", "vllm/newpkg/dead.py"]
+    assert "compat.py" in proc.stderr and not files
+
+
+def test_export_drops_a_compat_module_the_release_does_not_import(project: Project):
+    _overlay(project, {**NEWPKG, "vllm/newpkg/compat.py": "SHIM = 1\n"})
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    import vllm.newpkg.mod  # noqa: F401\n", "[Core] B")
+    proc, files = _export(project)
+    assert "not exported: vllm/newpkg/compat.py (compat module" in proc.stdout
+    assert all("compat" not in f for p in files for f in _files_in(p))
+    # A release whose glue imports the shim sends it with that glue.
+    add_patch(project, V2, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    import vllm.newpkg.mod  # noqa: F401\n"
+              "    from vllm.newpkg.compat import SHIM  # noqa: F401\n", "[Core] S")
+    proc, files = _export(project, V2)
+    assert "vllm/newpkg/compat.py" in _files_in(files[0]) and "not exported" not in proc.stdout
+
+
+def test_export_leaves_out_an_overlay_topic_the_release_does_not_carry(project: Project):
+    """The fixture's overlay package is used by no patch: like VMM KV on 0.18.1."""
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    proc, files = _export(project)
+    assert [f.name for f in files] == ["0001-Core-A.patch"]
+    assert "not exported: vllm/newpkg/__init__.py (no patch" in proc.stdout
+    assert _files_in(files[0]) == ["vllm/core.py"]
 
 
 def test_export_applies_with_git_am_onto_pristine_and_reproduces_the_tree(project: Project):
     """What a reviewer does with the export: `git am` onto the released tree, nothing else."""
-    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    _overlay(project, NEWPKG)
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n",
+              "return x + 30  # vllm/newpkg/mod.py\n", "[Core] A")
     add_patch(project, V1, "vllm/core.py", "return x + 9\n", "return x * 9\n", "[Core] B")
-    out = project.root / "out"
-    project.run("export.py", "--version", V1, "--out", str(out))
+    _, files = _export(project)
     tree = project.tree(V1)
     pristine = project.root / "reviewer"
     subprocess.run(["git", "clone", "-q", "--branch", f"v{V1}", str(tree), str(pristine)],
                    check=True, env=project.env, capture_output=True)
-    subprocess.run(["git", "-C", str(pristine), "am", "-q", *sorted(map(str, out.glob("*.patch")))],
+    subprocess.run(["git", "-C", str(pristine), "am", "-q", *map(str, files)],
                    check=True, env=project.env, capture_output=True)
 
     def tree_id(path):
@@ -256,7 +391,33 @@ def test_export_applies_with_git_am_onto_pristine_and_reproduces_the_tree(projec
                               capture_output=True, text=True).stdout.strip()
 
     assert tree_id(pristine) == tree_id(tree)
+    assert "vllm/newpkg/mod.py" in _files_in(files[0])
     assert project.git(V1, "log", "--format=%s", f"v{V1}..HEAD").splitlines()[0] == "[Core] B"
+
+
+def test_export_round_trip_check_catches_a_dropped_file_that_is_needed(project: Project):
+    """check_round_trip itself must be able to fail on the files it is told to leave out."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import export
+        import seriestool
+    finally:
+        sys.path.pop(0)
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
+    _, files = _export(project)
+    old = dict(os.environ)
+    os.environ.update({k: v for k, v in project.env.items() if k.startswith("KVSERIES_")})
+    try:
+        release = seriestool.get_release(V1)
+        export.check_round_trip(project.tree(V1), release, files,
+                                dropped=["vllm/newpkg/__init__.py"])  # truly left out: OK
+        with pytest.raises(seriestool.SeriesError, match="vllm/core.py"):
+            export.check_round_trip(project.tree(V1), release, files[:0])
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
 
 
 def test_export_refuses_patches_that_git_am_would_change(project: Project):

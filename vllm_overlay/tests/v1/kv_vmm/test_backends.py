@@ -4,6 +4,7 @@
 and CUDA allocations are exportable for KV transfer where the device allows."""
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from vllm.v1.kv_vmm import (
     KVPageGeometry,
     KVPageTable,
     KVTensorLayout,
+    VmmError,
 )
 
 
@@ -95,3 +97,54 @@ def test_cuda_allocations_exportable():
         backend._check(drv.cuMemRelease(imported), "cuMemRelease")
         backend.free_reservation(va2, g)
     backend.close()
+
+
+def _fake_driver(current_ctx: int, retain_ok: bool = True) -> mock.MagicMock:
+    """cuda.bindings.driver as far as CudaVmmBackend's constructor and close()
+    use it: every call succeeds (result 0) unless told otherwise."""
+    drv = mock.MagicMock()
+    drv.CUresult.CUDA_SUCCESS = 0
+    drv.cuGetErrorName.return_value = (0, b"CUDA_ERROR_INVALID_DEVICE")
+    drv.cuInit.return_value = (0,)
+    drv.cuDeviceGet.return_value = (0, "dev0")
+    drv.cuDevicePrimaryCtxRetain.return_value = (0, "primary") if retain_ok else (101,)
+    drv.cuCtxGetCurrent.return_value = (0, current_ctx)
+    drv.cuCtxSetCurrent.return_value = (0,)
+    drv.cuDeviceGetAttribute.return_value = (0, 0)
+    drv.cuMemGetAllocationGranularity.return_value = (0, 2 << 20)
+    drv.cuDevicePrimaryCtxRelease.return_value = (0,)
+    return drv
+
+
+@pytest.mark.parametrize("current_ctx", [0, 0x1234])
+def test_cuda_backend_uses_the_primary_context_and_never_makes_one(
+    monkeypatch, current_ctx
+):
+    """The properties the context comment in cuda.py rests on: the device's
+    primary context is retained (never a new one created), made current only
+    on a thread without a context, and released once on close."""
+    from vllm.v1.kv_vmm import cuda
+
+    drv = _fake_driver(current_ctx)
+    monkeypatch.setattr(cuda, "_driver", lambda: drv)
+    backend = cuda.CudaVmmBackend("cuda:0")
+    drv.cuDevicePrimaryCtxRetain.assert_called_once_with("dev0")
+    assert drv.cuCtxCreate.call_count == 0
+    if current_ctx:
+        drv.cuCtxSetCurrent.assert_not_called()
+    else:
+        drv.cuCtxSetCurrent.assert_called_once_with("primary")
+    drv.cuDevicePrimaryCtxRelease.assert_not_called()
+    backend.close()
+    backend.close()
+    drv.cuDevicePrimaryCtxRelease.assert_called_once_with("dev0")
+
+
+def test_cuda_backend_names_the_failing_driver_call(monkeypatch):
+    from vllm.v1.kv_vmm import cuda
+
+    drv = _fake_driver(0, retain_ok=False)
+    monkeypatch.setattr(cuda, "_driver", lambda: drv)
+    with pytest.raises(VmmError, match="cuDevicePrimaryCtxRetain failed on cuda:0"):
+        cuda.CudaVmmBackend("cuda:0")
+    drv.cuCtxSetCurrent.assert_not_called()

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """KV page counters in the stats loggers: several data-parallel engines add up
-in the aggregated log line."""
+in the aggregated log line; the Prometheus metrics as an operator sees them."""
 
 import pytest
 
@@ -10,7 +10,11 @@ from tests.v1.kv_vmm.utils import requires_kv_page_stats
 # The stats loggers' per-engine metric helpers (not in every release).
 pytest.importorskip("vllm.v1.metrics.utils")
 
-from vllm.v1.kv_vmm.metrics import kv_page_log_part, sum_kv_page_stats  # noqa: E402
+from vllm.v1.kv_vmm.metrics import (  # noqa: E402
+    KVPagePrometheusMetrics,
+    kv_page_log_part,
+    sum_kv_page_stats,
+)
 from vllm.v1.kv_vmm.pages import KVPageStats  # noqa: E402
 
 
@@ -54,3 +58,50 @@ def test_aggregated_logger_reports_every_engine():
     )
     fmt, args = kv_page_log_part(stat_logger.last_scheduler_stats.kv_page_stats)
     assert fmt % tuple(args) == "KV pages mapped: 8/20 (0.02 GiB), +8/-2 since start"
+
+
+def test_prometheus_exposition_names_and_values():
+    """The names a scrape shows (counters with ``_total``, as vLLM's own), one
+    series per engine, counters advanced by the running totals' increments."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+
+    def bound(cls):
+        def make(**kwargs):
+            kwargs.pop("multiprocess_mode", None)
+            return cls(registry=registry, **kwargs)
+
+        return make
+
+    prom = KVPagePrometheusMetrics(
+        bound(prometheus_client.Gauge),
+        bound(prometheus_client.Counter),
+        ["engine"],
+        {0: ["0"], 1: ["1"]},
+    )
+    prom.record(0, _stats(3, mapped=4, unmapped=1))
+    prom.record(0, _stats(2, mapped=6, unmapped=4))
+    prom.record(1, _stats(5, limit=20, mapped=7))
+
+    def value(name: str, engine: str) -> float | None:
+        return registry.get_sample_value(name, {"engine": engine})
+
+    assert value("vllm:kv_cache_vmm_mapped_pages", "0") == 2
+    assert value("vllm:kv_cache_vmm_mapped_bytes", "0") == 2 << 21
+    assert value("vllm:kv_cache_vmm_page_limit", "1") == 20
+    assert value("vllm:kv_cache_vmm_page_maps_total", "0") == 6
+    assert value("vllm:kv_cache_vmm_page_unmaps_total", "0") == 4
+    assert value("vllm:kv_cache_vmm_page_maps_total", "1") == 7
+    exposed = {
+        sample.name
+        for family in registry.collect()
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+    assert exposed == {
+        "vllm:kv_cache_vmm_mapped_bytes",
+        "vllm:kv_cache_vmm_mapped_pages",
+        "vllm:kv_cache_vmm_page_limit",
+        "vllm:kv_cache_vmm_page_maps_total",
+        "vllm:kv_cache_vmm_page_unmaps_total",
+    }

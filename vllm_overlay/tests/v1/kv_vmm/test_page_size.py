@@ -60,13 +60,21 @@ def test_chunk_floor(region_block_bytes, min_chunk_mib, multiple):
     assert (got - 1) * unit.page_region_bytes[0] < min_chunk_mib * MiB
 
 
+def test_default_pages_are_the_smallest_unit():
+    # Pages are mapped ahead of demand, so the default needs no floor above
+    # one granule per region: the smallest unit every rank can map.
+    assert UNIT.page_region_bytes[0] == KV_PAGE_MIN_CHUNK_BYTES
+    assert kv_page_multiple(vmm(), [UNIT], 1000, KV_PAGE_MIN_CHUNK_BYTES) == 1
+
+
 def test_chunk_floor_keeps_a_small_cache_elastic():
-    # 40 smallest pages: allocations of the default floor would leave one or
-    # a few pages; the cache keeps at least KV_PAGE_MIN_COUNT.
-    assert 40 * UNIT.page_region_bytes[0] // KV_PAGE_MIN_CHUNK_BYTES < KV_PAGE_MIN_COUNT
-    got = kv_page_multiple(vmm(), [UNIT], 40, KV_PAGE_MIN_CHUNK_BYTES)
+    # 40 smallest pages: allocations of a 64 MiB floor would leave one or a
+    # few pages; the cache keeps at least KV_PAGE_MIN_COUNT.
+    floor = 64 * MiB
+    assert 40 * UNIT.page_region_bytes[0] // floor < KV_PAGE_MIN_COUNT
+    got = kv_page_multiple(vmm(), [UNIT], 40, floor)
     assert got == 40 // KV_PAGE_MIN_COUNT == 2
-    assert kv_page_multiple(vmm(), [UNIT], 10, KV_PAGE_MIN_CHUNK_BYTES) == 1
+    assert kv_page_multiple(vmm(), [UNIT], 10, floor) == 1
 
 
 def test_explicit_page_bytes_round_up_on_the_largest_rank():

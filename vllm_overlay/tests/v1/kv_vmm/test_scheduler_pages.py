@@ -328,6 +328,25 @@ def test_a_step_of_blocks_stays_mapped_ahead_while_requests_run():
     assert pool.take_page_ops() is None
 
 
+def test_a_step_refills_at_most_what_it_handed_out():
+    # The ahead maps run behind the step's own forward pass: a step that
+    # handed out few blocks (the first request after an idle period) refills
+    # a page's worth, not the whole step's worth the pool is short of.
+    pool = make_pool(num_blocks=64, headroom=1, ahead_blocks=16)
+    pool.take_page_ops()  # idle: back to the null block's page + headroom
+    assert pool.num_mapped_pages == 2
+    used = pool.get_new_blocks(2)
+    assert pool.take_page_ops() == KVPageOps(ahead=[2])
+    # A step that handed out 9 blocks refills 9 (whole pages: 12).
+    used += pool.get_new_blocks(9)
+    assert pool.take_page_ops() == KVPageOps(ahead=[3, 4, 5])
+    # Steps that hand out nothing still refill a page until the target holds.
+    assert pool.take_page_ops() == KVPageOps(ahead=[6])
+    assert pool.free_block_queue.num_free_blocks == 16
+    assert pool.take_page_ops() is None
+    pool.free_blocks(used)
+
+
 def test_ahead_blocks_of_an_idle_pool_are_not_mapped_back():
     pool = make_pool(headroom=0, ahead_blocks=8)
     assert pool.num_mapped_pages == 3

@@ -51,8 +51,36 @@ class CudaVmmBackend(VmmBackend):
         self.device = torch.device("cuda", index)
         self._check(drv.cuInit(0), "cuInit")
         cu_device = self._check(drv.cuDeviceGet(index), "cuDeviceGet")
-        # Share PyTorch's context: make the primary context current here if
-        # this thread has none yet.
+        # Why driver calls from Python work here, while the cumem allocator
+        # (vllm/device_allocator/cumem.py) found cuda-python and ctypes
+        # wrappers failing on a "cuda context mismatch" and went to C:
+        #
+        # - No new context: PyTorch, through the CUDA runtime, runs all work
+        #   of a device in the device's primary context, and
+        #   cuDevicePrimaryCtxRetain returns that same context (there is one
+        #   per device and process); nothing here calls cuCtxCreate. The
+        #   reference it takes keeps the context alive until close(), even
+        #   if every other user releases it, so the mappings never outlive
+        #   the context they were made in.
+        # - A context only where there is none: a thread with no current
+        #   context (cuCtxGetCurrent is NULL) gets the primary one made
+        #   current, exactly what cumem_allocator.cpp's ensure_context()
+        #   does before each of its calls; a thread that already has a
+        #   context (a thread that ran PyTorch work on this device, where it
+        #   is the primary one) is left alone, so PyTorch never finds its
+        #   thread switched to another context.
+        # - Nothing context-bound is made: the reservation is in the
+        #   process's unified address space, the physical allocations are
+        #   placed by device ordinal (CUmemAllocationProp.location) and
+        #   access is granted per device (cuMemSetAccess), so the mapped
+        #   range is readable and writable from any context on this device,
+        #   PyTorch's included. The tensors are built over the address with
+        #   an explicit device (DLPack), not from a pointer query, which
+        #   would ask the current context about the address.
+        #
+        # Later calls (map, unmap, set_access) come from the worker's thread,
+        # which runs PyTorch on this device; they make nothing context-bound
+        # either, and a driver error is raised as a VmmError naming the call.
         self._primary_ctx = self._check(
             drv.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain"
         )

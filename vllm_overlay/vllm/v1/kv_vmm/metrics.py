@@ -44,7 +44,9 @@ def sum_kv_page_stats(
 
 class KVPagePrometheusMetrics:
     """Gauges of what is mapped now and counters of pages mapped and
-    unmapped, one series per engine.
+    unmapped, one series per engine. Names follow vLLM's: ``kv_cache_vmm_``
+    for the option they report on, the unit last, and counters that
+    Prometheus exposes with ``_total`` (``vllm:kv_cache_vmm_page_maps_total``).
 
     Args:
         gauge_cls, counter_cls: the stat logger's metric classes.
@@ -65,7 +67,7 @@ class KVPagePrometheusMetrics:
 
         self.mapped_bytes = per_engine(
             gauge_cls(
-                name="vllm:kv_cache_mapped_bytes",
+                name="vllm:kv_cache_vmm_mapped_bytes",
                 documentation="Physical KV cache memory mapped, summed over "
                 "the engine's ranks (--kv-cache-memory-backend vmm).",
                 multiprocess_mode="mostrecent",
@@ -74,32 +76,34 @@ class KVPagePrometheusMetrics:
         )
         self.mapped_pages = per_engine(
             gauge_cls(
-                name="vllm:kv_cache_mapped_pages",
-                documentation="KV cache pages mapped (--kv-cache-memory-backend vmm).",
+                name="vllm:kv_cache_vmm_mapped_pages",
+                documentation="KV cache pages mapped now "
+                "(--kv-cache-memory-backend vmm).",
                 multiprocess_mode="mostrecent",
                 labelnames=labelnames,
             )
         )
         self.page_limit = per_engine(
             gauge_cls(
-                name="vllm:kv_cache_page_limit",
+                name="vllm:kv_cache_vmm_page_limit",
                 documentation="Physical limit of the KV cache in pages "
                 "(--kv-cache-memory-backend vmm).",
                 multiprocess_mode="mostrecent",
                 labelnames=labelnames,
             )
         )
-        self.pages_mapped = per_engine(
+        self.page_maps = per_engine(
             counter_cls(
-                name="vllm:kv_cache_pages_mapped",
-                documentation="KV cache pages mapped (--kv-cache-memory-backend vmm).",
+                name="vllm:kv_cache_vmm_page_maps",
+                documentation="KV cache pages mapped since start "
+                "(--kv-cache-memory-backend vmm).",
                 labelnames=labelnames,
             )
         )
-        self.pages_unmapped = per_engine(
+        self.page_unmaps = per_engine(
             counter_cls(
-                name="vllm:kv_cache_pages_unmapped",
-                documentation="KV cache pages unmapped "
+                name="vllm:kv_cache_vmm_page_unmaps",
+                documentation="KV cache pages unmapped since start "
                 "(--kv-cache-memory-backend vmm).",
                 labelnames=labelnames,
             )
@@ -112,6 +116,6 @@ class KVPagePrometheusMetrics:
         self.mapped_pages[engine_idx].set(stats.mapped_pages)
         self.page_limit[engine_idx].set(stats.page_limit)
         mapped, unmapped = self._last.get(engine_idx, (0, 0))
-        self.pages_mapped[engine_idx].inc(stats.pages_mapped_total - mapped)
-        self.pages_unmapped[engine_idx].inc(stats.pages_unmapped_total - unmapped)
+        self.page_maps[engine_idx].inc(stats.pages_mapped_total - mapped)
+        self.page_unmaps[engine_idx].inc(stats.pages_unmapped_total - unmapped)
         self._last[engine_idx] = (stats.pages_mapped_total, stats.pages_unmapped_total)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 
 if TYPE_CHECKING:
-    from vllm.config import CacheConfig, SchedulerConfig
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: Granularity of the page arithmetic. 2 MiB is the host backend's default
@@ -29,17 +29,15 @@ if TYPE_CHECKING:
 KV_PAGE_GRANULARITY = 2 << 20
 
 #: Smallest physical allocation per KV tensor region that pages are sized for
-#: on CUDA when --kv-cache-vmm-page-bytes is not given. The driver's cost of
-#: mapping memory is per call, not per byte (cuMemCreate + cuMemMap +
-#: cuMemSetAccess: about 2.3 ms for 144 MiB in 2 MiB allocations, 0.3 ms in
-#: 16 MiB ones, 0.07 ms in 72 MiB ones, on an H200), and a prefill-heavy first
-#: burst that needs most of the KV cache ran 1.5% slower than stock with 16 MiB
-#: allocations and 0.4% with 64 MiB ones on an H200. Mapping a step's worth of
-#: pages ahead of demand (KVPagePolicy.ahead_blocks) does not hide that cost
-#: yet: with 2 MiB allocations the same burst ran at 0.875x stock on an H100.
-#: The price is coarser elasticity: an idle engine keeps two pages (the null
-#: block's and the headroom).
-KV_PAGE_MIN_CHUNK_BYTES = 64 << 20
+#: on CUDA when --kv-cache-vmm-page-bytes is not given: one granule, so a page
+#: is the smallest unit every rank can map (128 MiB for Llama-3.1-8B, 144 MiB
+#: for Qwen3-8B at 16-token blocks). The driver's cost is per call, not per
+#: byte (cuMemCreate + cuMemMap + cuMemSetAccess, about 65 us per 2 MiB
+#: allocation on an H100), and it stays off the critical path because pages
+#: are mapped ahead of demand behind the forward pass (KVPagePolicy.
+#: ahead_blocks); a larger floor trades elasticity (an idle engine keeps the
+#: null block's page and the headroom) for fewer calls.
+KV_PAGE_MIN_CHUNK_BYTES = KV_PAGE_GRANULARITY
 
 #: ... but automatic sizing keeps at least this many pages in the KV budget,
 #: so a small KV cache stays elastic.
@@ -136,6 +134,30 @@ def _vmm_options(cache_config: "CacheConfig") -> Any:
     # The --kv-cache-vmm-* options come with the patch that adds the VMM
     # backend; releases that carry only these modules have no such fields.
     return cache_config
+
+
+def verify_vmm_kv_config(vllm_config: "VllmConfig") -> None:
+    """Refuse, at config time, what VMM-backed KV memory cannot honour.
+
+    Sleep mode frees the KV cache by allocating it inside the cumem
+    allocator's ``kv_cache`` pool (``kv_cache_allocation_context``) and
+    discarding that pool on sleep. VMM KV memory is reserved and mapped by
+    the KV page table, outside any allocator pool, so a sleeping engine would
+    keep all of its mapped KV pages: sleep would silently free nothing.
+    """
+    if _vmm_options(vllm_config.cache_config).kv_cache_memory_backend != "vmm":
+        return
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.enable_sleep_mode:
+        raise ValueError(
+            "--kv-cache-memory-backend vmm cannot be combined with "
+            "--enable-sleep-mode: sleep mode frees the KV cache through the "
+            "cumem allocator's pool, and VMM-backed KV pages are mapped "
+            "outside it, so a sleeping engine would keep its KV memory. "
+            "Either drop --enable-sleep-mode (with --kv-cache-vmm-shrink "
+            "idle, an idle VMM engine already unmaps its free KV pages), or "
+            "use --kv-cache-memory-backend default to sleep."
+        )
 
 
 def _unsupported(kv_cache_config: "KVCacheConfig") -> NotImplementedError:

@@ -11,11 +11,14 @@ step message.
 
 While requests run, the pool keeps a step's worth of free blocks mapped
 (``KVPagePolicy.ahead_blocks``): pages mapped to refill it go in
-``KVPageOps.ahead``, which the workers map after launching the step's
+``KVPageOps.ahead``, which the workers map right after launching the step's
 forward pass, and the scheduler hands their blocks out from the next step
 on. So in steady state no step waits for the driver; only a step that needs
 more than was mapped ahead (the first burst after an idle shrink) maps
-pages before its forward pass.
+pages before its forward pass. A step refills at most as many blocks as it
+handed out (a page's worth at least): the maps then take about as long as
+the step's own forward pass hides, instead of a whole step's worth landing
+behind the short forward pass of the first request after an idle period.
 """
 
 import time
@@ -53,6 +56,8 @@ class PagedBlockPool(BlockPool):
         self._pending = KVPageOps()
         self._checking_idle = False
         self.num_pages_unmapped_total = 0
+        # Blocks handed out since the last step message: bounds the refill.
+        self._blocks_handed_out = 0
         # Idle shrink waits policy.shrink_delay_s from the moment the pool
         # was first seen idle, so back-to-back bursts reuse their pages
         # instead of mapping them again on their critical path.
@@ -126,6 +131,7 @@ class PagedBlockPool(BlockPool):
             if missing > self._growable_blocks():
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
             self._grow(missing)
+        self._blocks_handed_out += num_blocks
         return super().get_new_blocks(num_blocks)
 
     def _grow(self, num_blocks: int, ahead: bool = False) -> None:
@@ -200,8 +206,12 @@ class PagedBlockPool(BlockPool):
         if not self.idle:
             ahead = max(ahead, policy.ahead_blocks)
         short = ahead - self.free_block_queue.num_free_blocks
+        # The refill follows demand: what this step handed out, a page's
+        # worth at least, so the maps hide behind its forward pass.
+        refill = max(self._blocks_handed_out, policy.blocks_per_page)
+        self._blocks_handed_out = 0
         if short > 0 and len(self._mapped) < policy.max_pages:
-            self._grow(min(short, self._growable_blocks()), ahead=True)
+            self._grow(min(short, refill, self._growable_blocks()), ahead=True)
         if not self._pending:
             return None
         ops, self._pending = self._pending, KVPageOps()

@@ -310,9 +310,11 @@ def attention_layer_regions(
 
 
 def map_kv_pages_ahead(model_runner: Any, scheduler_output: Any) -> None:
-    """The worker's call right after the model runner launched a step's
-    forward pass: map the step's pages ahead of demand (model runners
-    without VMM-backed KV memory have no ``kv_page_mapper``)."""
+    """The model runner's call right after it launched a step's forward pass
+    (before anything of the step that may wait for the device, such as the
+    logits or a KV connector's finalize): map the step's pages ahead of
+    demand while the device runs the forward pass (model runners without
+    VMM-backed KV memory have no ``kv_page_mapper``)."""
     mapper = getattr(model_runner, "kv_page_mapper", None)
     ops = getattr(scheduler_output, "kv_page_ops", None)
     if mapper is not None and ops:

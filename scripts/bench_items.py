@@ -1,0 +1,345 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Benchmark suite, driver side: the A/B machinery and the items (scripts/bench.py).
+
+Each item starts its engines in processes of their own (bench_child.py, `vllm serve` through
+bench_server.py, bench_vmm.py, bench_pd.py, bench_nixl_vmm.py), stock and VMM KV interleaved
+(ab_order), and keeps within the suite's time Budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+from bench_child import REPEAT_SUFFIX  # noqa: E402
+from bench_report import IDLE_TTFT  # noqa: E402
+from bench_server import Server  # noqa: E402
+
+# Item 3 checks that memory falls back after a burst; a short --kv-cache-vmm-shrink-delay
+# keeps the run short (the default keeps pages for bursts that follow closely).
+ELASTIC_SHRINK_DELAY_S = 1.0
+
+CHILD_SCRIPT = SCRIPTS / "bench_child.py"
+PD_SCRIPT = SCRIPTS / "bench_pd.py"
+NIXL_SCRIPT = SCRIPTS / "bench_nixl_vmm.py"
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def allows(self, needed: float) -> bool:
+        return self.elapsed() + needed <= self.seconds
+
+
+class Runner:
+    def __init__(self, out: Path, device: str) -> None:
+        self.out = out
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.count = 0
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                        # Worker page figures are read through collective_rpc with a function.
+                        VLLM_ALLOW_INSECURE_SERIALIZATION="1", NCCL_NVLS_ENABLE="0")
+        if device == "cuda":
+            self.env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+    def child(self, name: str, spec: dict, timeout: float) -> dict:
+        """Run one measurement in its own process; {"error": ...} if it fails."""
+        self.count += 1
+        log = self.logs / f"{self.count:02d}-{name}.log"
+        with tempfile.TemporaryDirectory() as tmp:
+            spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+            spec_path.write_text(json.dumps(spec))
+            t0 = time.monotonic()
+            with open(log, "w") as f:
+                try:
+                    rc = subprocess.run([sys.executable, str(CHILD_SCRIPT), str(spec_path),
+                                         str(out_path)], stdout=f, stderr=subprocess.STDOUT,
+                                        env=self.env, timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            wall = time.monotonic() - t0
+            print(f"  {name}: {wall:.0f} s" + ("" if rc == 0 else f" (failed: {rc}, {log})"),
+                  flush=True)
+            if rc == 0 and out_path.exists():
+                return {**json.loads(out_path.read_text()), "wall_s": wall}
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        return {"error": f"exit {rc}; log {log.name}: " + " | ".join(tail)}
+
+
+def summarize(a: list[float], b: list[float]) -> dict:
+    """Medians of both sides and the B/A ratio of medians, with per-pair ratio spread."""
+    pairs = [y / x for x, y in zip(a, b) if x]
+    return {"a": a, "b": b, "a_median": statistics.median(a), "b_median": statistics.median(b),
+            "ratio": statistics.median(b) / statistics.median(a),
+            "ratio_min": min(pairs), "ratio_max": max(pairs), "n": len(pairs)}
+
+
+def ab_order(repeats: int) -> list[str]:
+    """A B, B A, A B, ...: each side runs first as often as the other (drift cancels)."""
+    order: list[str] = []
+    for i in range(repeats):
+        order += ["default", "vmm"] if i % 2 == 0 else ["vmm", "default"]
+    return order
+
+
+def model_dir(name: str, out: Path) -> str:
+    if name == "tiny-llama":
+        from tiny_model import make_tiny_model
+
+        # 4 KV heads: a 2 MiB page holds 16 blocks per layer, so bursts span many pages.
+        return str(make_tiny_model(out / "models" / "tiny-llama", num_key_value_heads=4))
+    from tiny_model import model_path
+
+    try:
+        return str(model_path(name))
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+
+
+def item_engine_ab(runner: Runner, prof: dict, items: set[str], budget: Budget, out: Path,
+                   reserve_s: float) -> dict:
+    """Items 1 and 2 from the same A/B engine processes.
+
+    Repetition-major (pair 1 of every model, then pair 2, ...), so a time budget that runs
+    short leaves every model with at least its first pairs; ``reserve_s`` is kept for the
+    items that run afterwards."""
+    workloads = prof["workloads"] if "throughput" in items else {}
+    specs = {model: {"kind": "throughput", "model": model_dir(model, out),
+                     "engine": prof["engine"], "vmm_args": prof.get("vmm_args", {}),
+                     "workloads": workloads, "idle_ttft_input": prof.get("idle_ttft_input")}
+             for model in prof["models"]}
+    walls: list[float] = []
+
+    def child_s() -> float:  # what the next engine process will take, from those so far
+        return statistics.mean(walls) if walls else prof["est_child_s"]
+
+    if prof["warmup"]:
+        for model, spec in specs.items():
+            # Fills the compile cache (shared by both sides: the KV memory backend is not part
+            # of the compile hash), so no timed start pays for compilation.
+            if budget.allows(3 * child_s() + reserve_s):
+                print(f"{model}: compile-cache warm-up (not timed)", flush=True)
+                runner.child(f"{model}-warmup", {**spec, "backend": "default", "workloads": {}},
+                             timeout=900)
+    runs = {model: {"default": [], "vmm": []} for model in specs}
+    dropped = dict.fromkeys(specs, 0)
+    failed: dict[str, str] = {}
+    for i in range(prof["repeats"]):
+        for model, spec in specs.items():
+            if model in failed:
+                continue
+            if not budget.allows(2 * child_s() + reserve_s):
+                dropped[model] += 1
+                continue
+            pair = {}
+            for backend in ab_order(i + 1)[-2:]:
+                print(f"{model}: {backend} (pair {i + 1})", flush=True)
+                pair[backend] = runner.child(f"{model}-{backend}", {**spec, "backend": backend},
+                                             timeout=900)
+                if "error" in pair[backend]:
+                    failed[model] = pair[backend]["error"]
+                    break
+                walls.append(pair[backend]["wall_s"])
+            if model not in failed:
+                for backend, r in pair.items():
+                    runs[model][backend].append(r)
+    results: dict = {"throughput": {"models": {}}, "startup": {"models": {}}}
+    for model in specs:
+        a, b = runs[model]["default"], runs[model]["vmm"]
+        if model in failed or not a:
+            why = failed.get(model, "time budget spent before the first pair")
+            for item in ("throughput", "startup"):
+                results[item]["models"][model] = {"not_measured": why}
+            continue
+        note = (f"{dropped[model]} of {prof['repeats']} pairs dropped for the time budget"
+                if dropped[model] else "")
+        results["startup"]["models"][model] = {
+            "startup_s": summarize([r["startup_s"] for r in a], [r["startup_s"] for r in b]),
+            "note": note}
+        results["throughput"]["models"][model] = {
+            key: {**summarize([r["workloads"][key]["tokens_per_s"] for r in a],
+                              [r["workloads"][key]["tokens_per_s"] for r in b]),
+                  **prof["workloads"][key.removesuffix(REPEAT_SUFFIX)]}
+            for key in b[0]["workloads"]} | {"note": note,
+                                             "vmm_page_stats": b[-1].get("page_stats")}
+        if all("idle_ttft" in r for r in a + b):
+            results["throughput"]["models"][model][IDLE_TTFT] = {
+                **summarize([r["idle_ttft"]["ttft_s"] for r in a],
+                            [r["idle_ttft"]["ttft_s"] for r in b]),
+                "input": prof["idle_ttft_input"],
+                "vmm_idle_mapped_bytes": [r["idle_ttft"]["mapped_bytes_idle"] for r in b]}
+    results["throughput"]["engine"] = results["startup"]["engine"] = prof["engine"]
+    if prof.get("vmm_args"):
+        results["throughput"]["vmm_args"] = results["startup"]["vmm_args"] = prof["vmm_args"]
+    return {k: v for k, v in results.items() if k in items}
+
+
+def item_elasticity(runner: Runner, prof: dict, out: Path) -> dict:
+    e = prof["elastic"]
+    spec = {"kind": "elasticity", "model": model_dir(e["model"], out), "backend": "vmm",
+            "engine": {**e["engine"], "kv_cache_vmm_shrink_delay": ELASTIC_SHRINK_DELAY_S,
+                       **prof.get("vmm_args", {})},
+            "bursts": e["bursts"]}
+    print(f"elasticity: {e['model']}", flush=True)
+    r = runner.child("elasticity", spec, timeout=600)
+    if "error" in r:
+        return {"not_measured": r["error"]}
+    from bench_plot import write_timeline_png
+
+    png = out / "elasticity.png"
+    renderer = write_timeline_png(png, r["timeline"],
+                                  title=f"KV mapped bytes, {e['model']}, bursts")
+    return {**r, "model": e["model"], "engine": e["engine"],
+            "shrink_delay_s": ELASTIC_SHRINK_DELAY_S, "png": png.name,
+            "png_renderer": renderer,
+            "ok": all(b["ok"] for b in r["bursts"])}
+
+
+def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
+    p = prof["pagemap"]
+    rows = ["raw map, per page", "raw unmap, per page", "page table map, per page",
+            "page table unmap, per page", "page table map, batched",
+            "page table unmap, batched", "raw set access, per page", "raw set access, batched"]
+    per_run: list[dict] = []
+    overlaps: list[dict] = []  # CUDA: GPU work alone and while the host maps pages
+    for i in range(p["invocations"]):
+        js = out / f"pagemap_{i + 1}.json"
+        log = runner.logs / f"pagemap_{i + 1}.log"
+        print(f"pagemap: invocation {i + 1}", flush=True)
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vmm.py"), "--backend",
+                                 p["backend"], "--pages", str(p["pages"]), "--repeats",
+                                 str(p["repeats"]), "--json", str(js)], stdout=f,
+                                stderr=subprocess.STDOUT, env=runner.env, timeout=300).returncode
+        data = json.loads(js.read_text()) if rc == 0 and js.exists() else {}
+        stats = data.get("backends", {}).get(p["backend"])
+        if not stats:
+            return {"not_measured": f"bench_vmm.py exit {rc}, see logs/{log.name}"}
+        per_run.append({k: stats[k]["median_us"] for k in rows})
+        if "overlap" in stats:
+            overlaps.append(stats["overlap"])
+    medians = {k: statistics.median(r[k] for r in per_run) for k in rows}
+    ratios = {
+        "map per page / raw map": [r["page table map, per page"] / r["raw map, per page"]
+                                   for r in per_run],
+        "unmap per page / raw unmap": [r["page table unmap, per page"] /
+                                       r["raw unmap, per page"] for r in per_run],
+        "map batched / raw map per page": [r["page table map, batched"] /
+                                           r["raw map, per page"] for r in per_run],
+        "set access batched / per page": [r["raw set access, batched"] /
+                                          r["raw set access, per page"] for r in per_run],
+    }
+    if overlaps:
+        ratios["GPU work while mapping / alone"] = [
+            o["ratio gpu while mapping/alone (median)"] for o in overlaps]
+    return {"backend": p["backend"], "pages": p["pages"], "repeats": p["repeats"],
+            "invocations": p["invocations"], "us_per_page": medians,
+            "us_per_page_runs": per_run, **({"overlap_runs": overlaps} if overlaps else {}),
+            "ratios": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+                       for k, v in ratios.items()}}
+
+
+def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) -> dict:
+    if gpus < 2:
+        return {"not_measured": f"needs 2 GPUs, this host has {gpus}"}
+    # Transfer throughput: NIXL READs of KV blocks from one GPU into the other, out of stock
+    # and out of VMM-backed memory registered per segment, as the patched NixlConnector does.
+    # Each invocation measures stock then VMM; `repeats` invocations give the spread.
+    stock: list[float] = []
+    vmm: list[float] = []
+    for i in range(prof["repeats"]):
+        js = out / f"nixl_transfer_{i}.json"
+        log = runner.logs / f"nixl_transfer_{i}.log"
+        print(f"pd: NIXL transfer {i + 1}/{prof['repeats']}", flush=True)
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json",
+                                 str(js)], stdout=f, stderr=subprocess.STDOUT, env=runner.env,
+                                timeout=600).returncode
+        if rc != 0 or not js.exists():
+            return {"not_measured": f"{NIXL_SCRIPT.name} exit {rc}, see logs/{log.name}"}
+        r = json.loads(js.read_text())
+        stock.append(r["stock"]["gb_per_s"])
+        vmm.append(r["vmm"]["gb_per_s"])
+    result: dict = {"transfer_gbps": summarize(stock, vmm)}
+    # scripts/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
+    # requests through both; one run per repetition, pairs while the budget allows.
+    model = model_dir(prof["elastic"]["model"], out)
+    runs: dict[str, list[float]] = {"default": [], "vmm": []}
+    for backend in ab_order(prof["repeats"]):
+        if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
+                2 * prof["est_serve_s"]):
+            break
+        js = out / f"pd_{backend}_{len(runs[backend])}.json"
+        log = runner.logs / f"pd_{backend}_{len(runs[backend])}.log"
+        print(f"pd: {backend}", flush=True)
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, str(PD_SCRIPT), "--backend", backend, "--model",
+                                 model, "--json", str(js), "--logs", str(runner.logs),
+                                 "--vmm-args", json.dumps(prof.get("vmm_args", {}))],
+                                stdout=f, stderr=subprocess.STDOUT, env=runner.env,
+                                timeout=900).returncode
+        if rc != 0 or not js.exists():
+            result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name} exit {rc}, "
+                                                 f"see logs/{log.name}"}
+            return result
+        runs[backend].append(json.loads(js.read_text())["ttft_ms"])
+    n = min(len(runs["default"]), len(runs["vmm"]))
+    result["ttft_ms"] = (summarize(runs["default"][:n], runs["vmm"][:n]) if n else
+                         {"not_measured": "time budget spent before the first pair"})
+    return result
+
+
+
+def serve_startup(runner: Runner, model: str, backend: str, tp: int, engine: dict,
+                  timeout: float) -> dict:
+    """Seconds from spawning `vllm serve` to GET /health answering 200."""
+    runner.count += 1
+    log = runner.logs / f"{runner.count:02d}-serve-tp{tp}-{backend}.log"
+    with Server(model, backend, engine, log, runner.env, tp=tp) as server:
+        return server.wait_healthy(timeout)
+
+
+def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: int, tp: int,
+                     budget: Budget) -> dict:
+    if device == "cuda" and gpus < tp:
+        return {"not_measured": f"needs {tp} GPUs, this host has {gpus}"}
+    if device == "cpu" and tp > 1:
+        return {"not_measured": f"needs {tp} GPUs (CPU run)"}
+    model = model_dir(prof["elastic"]["model"], out)
+    engine = {k: v for k, v in prof["engine"].items()}
+    if prof["warmup"]:
+        print(f"tp{tp}-startup: compile-cache warm-up (not timed)", flush=True)
+        serve_startup(runner, model, "default", tp, engine, timeout=900)
+    runs: dict[str, list[float]] = {"default": [], "vmm": []}
+    for backend in ab_order(prof["repeats"]):
+        if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
+                2 * prof["est_serve_s"]):
+            break
+        print(f"tp{tp}-startup: {backend}", flush=True)
+        extra = prof.get("vmm_args", {}) if backend == "vmm" else {}
+        r = serve_startup(runner, model, backend, tp, engine | extra, timeout=900)
+        if "error" in r:
+            return {"not_measured": r["error"]}
+        runs[backend].append(r["health_s"])
+    n = min(len(runs["default"]), len(runs["vmm"]))
+    if n == 0:
+        return {"not_measured": "time budget spent before the first pair"}
+    return {"model": prof["elastic"]["model"], "tensor_parallel_size": tp, "engine": engine,
+            "health_s": summarize(runs["default"][:n], runs["vmm"][:n])}
+

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""`vllm serve` for the benchmark suite and bench_pd.py: one server in its own process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`vllm serve` in its own process group, so that its engine core and workers stop with
+    it; ``env`` adds to (or overrides) ``base_env``."""
+
+    def __init__(self, model: str, backend: str, engine: dict, log: Path, base_env: dict,
+                 env: dict | None = None, tp: int = 1) -> None:
+        self.port = _free_port()
+        self.log = log
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(self.port),
+               "--tensor-parallel-size", str(tp), "--kv-cache-memory-backend", backend]
+        for key, value in engine.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value is not False:
+                cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        with open(log, "w") as f:
+            f.write(shlex.join(cmd) + "\n")
+            f.flush()
+            self.started = time.monotonic()
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**base_env, **(env or {})},
+                                         start_new_session=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_healthy(self, timeout: float) -> dict:
+        """{"health_s": seconds from spawning to GET /health 200} or {"error": ...}."""
+        while time.monotonic() - self.started < timeout:
+            if self.proc.poll() is not None:
+                return {"error": f"server exited {self.proc.returncode}, see "
+                                 f"logs/{self.log.name}"}
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return {"health_s": time.monotonic() - self.started}
+            except OSError:
+                pass
+            time.sleep(0.25)
+        return {"error": f"no /health 200 within {timeout:.0f} s, see logs/{self.log.name}"}
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
