@@ -16,8 +16,6 @@ import torch
 
 from tests.v1.kv_vmm.utils import requires_nixl
 
-pytestmark = requires_nixl
-
 
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
@@ -96,6 +94,7 @@ def pair():
         backend.close()
 
 
+@requires_nixl
 def test_registrations_follow_segments(pair):
     _, table, _, registry, _ = pair[0]
     table.map_pages([0, 2])
@@ -127,6 +126,7 @@ def test_registrations_follow_segments(pair):
     assert registry.unregistered(rows).tolist() == rows[2:].tolist()
 
 
+@requires_nixl
 def test_reads_resolve_against_current_registrations(pair):
     from nixl._api import nixlBind
 
@@ -250,6 +250,7 @@ class _HeldCompletion:
         return "PROC"
 
 
+@requires_nixl
 def test_unmap_waits_for_transfers_that_touch_the_segment():
     import threading
 
@@ -308,6 +309,13 @@ def test_unmap_waits_for_transfers_that_touch_the_segment():
         assert held.held_query.wait(60), "the unmap never asked for the state"
         assert unmapping.is_alive()
         assert d_table.is_mapped(0)
+        # The wait does not hold the page table's lock: its mapped state can
+        # be read meanwhile (segments() takes the lock).
+        reader = threading.Thread(target=d_table.segments)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the unmap waits under the page table lock"
+        assert unmapping.is_alive() and d_table.is_mapped(0)
         # ... and goes ahead once the transfer completes.
         held.released.set()
         unmapping.join(60)

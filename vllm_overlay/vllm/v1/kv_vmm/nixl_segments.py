@@ -9,9 +9,12 @@ wrong bytes on some UCX versions (cuda_ipc exports only the first one). So:
 
 - ``NixlSegmentRegistry`` registers every physical chunk of a segment with
   the NIXL agent when the segment is mapped and deregisters it before the
-  segment is unmapped. An unmap waits for the transfers that touch the
-  segment; if they do not finish in time it raises, and the page table then
-  keeps everything mapped.
+  segment is unmapped. An unmap first waits for the transfers that touch the
+  segment, before the page table takes its lock (readers of the mapped state
+  are not held up); if they do not finish in time it raises, and the page
+  table keeps everything mapped. Under the lock, the deregistration checks
+  once more and refuses (nothing is unmapped) if a transfer still uses the
+  segment: a chunk is never given back while a transfer may use it.
 - ``SegmentedXferAgent`` wraps the NIXL agent for a connector written
   against prepared descriptor lists. NIXL checks a prepared list against the
   registrations when it is prepared, which would fail for blocks on pages
@@ -30,7 +33,7 @@ with stock KV tensors.
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -98,10 +101,22 @@ class NixlSegmentRegistry:
                 previous_unmapped(segment)
             self._deregister(key, segment)
 
+        unmap_pages = table.unmap_pages
+
+        def unmap_when_unused(page_ids: Iterable[int]) -> list[int]:
+            # The table runs before_segment_unmapped under its lock: wait
+            # for the transfers here, before it takes it.
+            pages = list(page_ids)
+            segment_ids = {table.geometry.segment_of_page(p) for p in pages}
+            self._wait_for_transfers(key, segment_ids)
+            return unmap_pages(pages)
+
         for segment in table.segments():
             self._register(key, segment)
         table.on_segment_mapped = on_mapped
         table.before_segment_unmapped = before_unmapped
+        # Instance attribute: the table's own close() unmaps through it too.
+        table.unmap_pages = unmap_when_unused  # type: ignore[method-assign]
 
     @property
     def registered_ranges(self) -> list[tuple[int, int]]:
@@ -129,7 +144,10 @@ class NixlSegmentRegistry:
             ranges = self._ranges.get(key)
         if ranges is None:
             return
-        self._wait_for_transfers(ranges, segment.segment_id)
+        # Under the page table's lock: check, never wait (the wait ran before).
+        busy = self._busy(ranges)
+        if busy:
+            raise self._busy_error(segment.segment_id, len(busy))
         with self._lock:
             descs = self._registrations.pop(key)
             del self._ranges[key]
@@ -176,26 +194,39 @@ class NixlSegmentRegistry:
                     break
         return hits
 
-    def _wait_for_transfers(
-        self, ranges: list[tuple[int, int]], segment_id: int
-    ) -> None:
+    def _busy(self, ranges: list[tuple[int, int]]) -> list[Any]:
+        """Transfers in flight that touch ``ranges``."""
+        return [
+            h
+            for h in self._touching(ranges)
+            if self.agent.check_xfer_state(h) == _IN_FLIGHT
+        ]
+
+    def _busy_error(self, segment_id: int, num_busy: int) -> VmmError:
+        return VmmError(
+            f"KV segment {segment_id} cannot be unmapped: {num_busy} NIXL "
+            f"transfer(s) still use it after {self.unmap_timeout_s:.0f} s. "
+            "Its pages stay mapped; retry the unmap once the transfers "
+            "have finished."
+        )
+
+    def _wait_for_transfers(self, table_key: int, segment_ids: set[int]) -> None:
+        """Wait until no transfer in flight touches the registered chunks
+        of ``segment_ids``; raise after ``unmap_timeout_s``."""
+        with self._lock:
+            ranges = {
+                s: self._ranges[(table_key, s)]
+                for s in sorted(segment_ids)
+                if (table_key, s) in self._ranges
+            }
         deadline = time.monotonic() + self.unmap_timeout_s
-        while True:
-            busy = [
-                h
-                for h in self._touching(ranges)
-                if self.agent.check_xfer_state(h) == _IN_FLIGHT
-            ]
-            if not busy:
-                return
-            if time.monotonic() > deadline:
-                raise VmmError(
-                    f"KV segment {segment_id} cannot be unmapped: {len(busy)} NIXL "
-                    f"transfer(s) still use it after {self.unmap_timeout_s:.0f} s. "
-                    "Its pages stay mapped; retry the unmap once the transfers "
-                    "have finished."
-                )
-            time.sleep(0.001)
+        delay = 0.0005
+        for segment_id, segment_ranges in ranges.items():
+            while busy := self._busy(segment_ranges):
+                if time.monotonic() >= deadline:
+                    raise self._busy_error(segment_id, len(busy))
+                time.sleep(delay)
+                delay = min(2 * delay, 0.02)
 
     def close(self) -> None:
         """Deregister everything (the tables stay mapped)."""
