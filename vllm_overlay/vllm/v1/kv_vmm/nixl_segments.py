@@ -33,7 +33,7 @@ with stock KV tensors.
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -101,22 +101,20 @@ class NixlSegmentRegistry:
                 previous_unmapped(segment)
             self._deregister(key, segment)
 
-        unmap_pages = table.unmap_pages
+        previous_wait = table.wait_before_unmap
 
-        def unmap_when_unused(page_ids: Iterable[int]) -> list[int]:
+        def wait_before_unmap(segment_ids: list[int]) -> None:
             # The table runs before_segment_unmapped under its lock: wait
             # for the transfers here, before it takes it.
-            pages = list(page_ids)
-            segment_ids = {table.geometry.segment_of_page(p) for p in pages}
-            self._wait_for_transfers(key, segment_ids)
-            return unmap_pages(pages)
+            if previous_wait is not None:
+                previous_wait(segment_ids)
+            self._wait_for_transfers(key, set(segment_ids))
 
         for segment in table.segments():
             self._register(key, segment)
         table.on_segment_mapped = on_mapped
         table.before_segment_unmapped = before_unmapped
-        # Instance attribute: the table's own close() unmaps through it too.
-        table.unmap_pages = unmap_when_unused  # type: ignore[method-assign]
+        table.wait_before_unmap = wait_before_unmap
 
     @property
     def registered_ranges(self) -> list[tuple[int, int]]:

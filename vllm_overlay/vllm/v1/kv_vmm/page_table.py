@@ -69,6 +69,11 @@ class KVPageTable:
             accessible, in ascending segment order (e.g. register it).
         before_segment_unmapped: called for each segment before its memory
             is unmapped, in ascending segment order (e.g. deregister it).
+            Runs under the table's lock: it must not wait.
+        wait_before_unmap: called with the ids of the segments about to be
+            unmapped before the table takes its lock; it may wait (e.g. for
+            transfers in flight that use them) without holding up the
+            table's other users.
 
     """
 
@@ -79,6 +84,7 @@ class KVPageTable:
         max_pages: int,
         on_segment_mapped: SegmentCallback | None = None,
         before_segment_unmapped: SegmentCallback | None = None,
+        wait_before_unmap: Callable[[list[int]], None] | None = None,
     ) -> None:
         if geometry.granularity != backend.granularity:
             raise ValueError(
@@ -93,6 +99,7 @@ class KVPageTable:
         self.max_pages = max_pages
         self.on_segment_mapped = on_segment_mapped
         self.before_segment_unmapped = before_segment_unmapped
+        self.wait_before_unmap = wait_before_unmap
         self._lock = threading.Lock()
         self._segments: dict[int, Segment] = {}
         self._closed = False
@@ -199,9 +206,10 @@ class KVPageTable:
         """Give the memory of ``page_ids`` back, in every tensor of the group.
 
         Pages not mapped are skipped (idempotent). ``page_ids`` must name
-        whole segments. Work queued on the device is waited for first, and
+        whole segments. ``wait_before_unmap`` runs first, outside the lock;
+        then work queued on the device is waited for, and
         ``before_segment_unmapped`` runs for every segment before any of
-        them is unmapped; if it raises, nothing is unmapped. Returns the
+        them is unmapped; if either raises, nothing is unmapped. Returns the
         unmapped page ids.
         """
         geometry = self.geometry
@@ -215,6 +223,8 @@ class KVPageTable:
                     f"also holds pages {sorted(missing)}; pass all of "
                     f"{geometry.pages_of_segment(segment_id)}"
                 )
+        if self.wait_before_unmap is not None and segment_ids:
+            self.wait_before_unmap(segment_ids)
         with self._lock:
             self._check_open()
             victims = [self._segments[s] for s in segment_ids if s in self._segments]
