@@ -17,7 +17,8 @@ from vllm.v1.kv_vmm.ledger import (
     ledger_path,
     list_ledgers,
 )
-from vllm.v1.kv_vmm.ledger_cli import main as cli, parse_bytes
+from vllm.v1.kv_vmm.ledger_cli import main as cli
+from vllm.v1.kv_vmm.ledger_cli import parse_bytes
 
 MiB = 1 << 20
 
@@ -101,7 +102,7 @@ def test_a_killed_engine_leaves_the_ledger(ledger, tmp_path):
 
 
 def test_reused_pid_is_not_the_engine(ledger):
-    entry = ledger.join(10 * MiB, "a")
+    ledger.join(10 * MiB, "a")
     with open(ledger.path) as f:
         doc = json.load(f)
     doc["entries"][0]["start_time"] += 1  # another process with this pid
@@ -109,7 +110,7 @@ def test_reused_pid_is_not_the_engine(ledger):
         json.dump(doc, f)
     # The file went with its last (dead) entry; with a live one it stays.
     assert ledger.read() is None
-    entry = ledger.join(10 * MiB, "a")
+    ledger.join(10 * MiB, "a")
     live = ledger.join(10 * MiB, "b")
     with open(ledger.path) as f:
         doc = json.load(f)
@@ -126,8 +127,17 @@ def test_cli_lists_and_sets_limits(ledger, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "GPU-test: capacity 8.00 GiB" in out
     assert entry in out and "engine-a" in out and "1.00 GiB" in out
-    assert cli(["set", "engine-a", "--key", "GPU-test", "--limit-bytes", "2G"], directory) == 0
-    assert cli(["set", str(os.getpid()), "--key", "GPU-test", "--floor-bytes", "512M"], directory) == 0
+    assert (
+        cli(["set", "engine-a", "--key", "GPU-test", "--limit-bytes", "2G"], directory)
+        == 0
+    )
+    assert (
+        cli(
+            ["set", str(os.getpid()), "--key", "GPU-test", "--floor-bytes", "512M"],
+            directory,
+        )
+        == 0
+    )
     assert cli(["capacity", "6GiB", "--key", "GPU-test"], directory) == 0
     state = ledger.read()
     assert state.capacity_bytes == 6 << 30
@@ -136,9 +146,17 @@ def test_cli_lists_and_sets_limits(ledger, tmp_path, capsys):
     assert cli(["list", "--json"], directory) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc[0]["entries"][0]["limit_bytes"] == 2 << 30
-    assert cli(["set", "nobody", "--key", "GPU-test", "--limit-bytes", "1G"], directory) == 1
-    assert cli(["set", entry, "--key", "GPU-nope", "--limit-bytes", "1G"], directory) == 1
-    assert cli(["set", entry, "--key", "GPU-test", "--limit-bytes", "none"], directory) == 0
+    assert (
+        cli(["set", "nobody", "--key", "GPU-test", "--limit-bytes", "1G"], directory)
+        == 1
+    )
+    assert (
+        cli(["set", entry, "--key", "GPU-nope", "--limit-bytes", "1G"], directory) == 1
+    )
+    assert (
+        cli(["set", entry, "--key", "GPU-test", "--limit-bytes", "none"], directory)
+        == 0
+    )
     assert ledger.read().entry(entry).limit_bytes is None
 
 

@@ -126,16 +126,28 @@ def test_prometheus_shows_the_device_ledger():
 
     def ledger(*engines):
         entries = [
-            {"id": e, "pid": 10 + i, "mapped_bytes": 4 << 20, "floor_bytes": 2 << 20,
-             "limit_bytes": None}
+            {
+                "id": e,
+                "pid": 10 + i,
+                "mapped_bytes": 4 << 20,
+                "floor_bytes": 2 << 20,
+                "limit_bytes": None,
+            }
             for i, e in enumerate(engines)
         ]
-        return {"GPU-x": {"key": "GPU-x", "capacity_bytes": 64 << 20, "entries": entries}}
+        return {
+            "GPU-x": {"key": "GPU-x", "capacity_bytes": 64 << 20, "entries": entries}
+        }
 
     def stats(failures, ledger_json):
         return KVPageStats(
-            mapped_pages=2, page_limit=8, mapped_bytes=4 << 20, pages_mapped_total=5,
-            pages_unmapped_total=3, map_failures_total=failures, floor_bytes=2 << 20,
+            mapped_pages=2,
+            page_limit=8,
+            mapped_bytes=4 << 20,
+            pages_mapped_total=5,
+            pages_unmapped_total=3,
+            map_failures_total=failures,
+            floor_bytes=2 << 20,
             ledger=ledger_json,
         )
 
@@ -147,12 +159,35 @@ def test_prometheus_shows_the_device_ledger():
     assert value("vllm:kv_cache_vmm_page_map_failures_total") == 5
     assert value("vllm:kv_cache_vmm_floor_bytes") == 2 << 20
     on = {"device": "GPU-x"}
-    assert value("vllm:kv_cache_vmm_ledger_bytes", **on, ledger_engine="",
-                 quantity="capacity") == 64 << 20
-    assert value("vllm:kv_cache_vmm_ledger_bytes", **on, ledger_engine="a (pid 10)",
-                 quantity="mapped") == 4 << 20
+    assert (
+        value("vllm:kv_cache_vmm_ledger_bytes", **on, ledger_engine="", quantity="capacity")
+        == 64 << 20
+    )
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="a (pid 10)",
+            quantity="mapped",
+        )
+        == 4 << 20
+    )
     # b left the ledger: its series are gone; nobody has a limit.
-    assert value("vllm:kv_cache_vmm_ledger_bytes", **on, ledger_engine="b (pid 11)",
-                 quantity="mapped") is None
-    assert value("vllm:kv_cache_vmm_ledger_bytes", **on, ledger_engine="a (pid 10)",
-                 quantity="limit") is None
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="b (pid 11)",
+            quantity="mapped",
+        )
+        is None
+    )
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="a (pid 10)",
+            quantity="limit",
+        )
+        is None
+    )

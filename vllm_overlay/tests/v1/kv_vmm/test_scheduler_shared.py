@@ -53,7 +53,10 @@ def make_pool(
         ledger=ledger,
     )
     pool = PagedBlockPool(
-        num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16, policy=policy
+        num_gpu_blocks=num_blocks,
+        enable_caching=True,
+        hash_block_size=16,
+        policy=policy,
     )
     pool.clock = Clock()
     return pool, status
@@ -111,7 +114,9 @@ def test_a_page_some_rank_could_not_map_waits_for_a_retry():
 
 def test_two_engines_share_a_device_ledger(ledger_dir):
     options = dict(devices={"host": PAGE}, capacity_bytes=8 * PAGE, name="a")
-    a, status_a = make_pool(num_blocks=64, num_ranks=1, ledger=KVLedgerOptions(**options))
+    a, status_a = make_pool(
+        num_blocks=64, num_ranks=1, ledger=KVLedgerOptions(**options)
+    )
     b, status_b = make_pool(
         num_blocks=64,
         num_ranks=1,

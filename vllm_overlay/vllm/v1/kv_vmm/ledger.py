@@ -29,7 +29,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,7 +44,9 @@ _PREFIX = "vllm-kv-ledger-"
 
 def ledger_path(key: str, directory: str | None = None) -> str:
     """The ledger file of device ``key`` (a UUID or ``host``)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)
+    safe = "".join(
+        c if c.isascii() and (c.isalnum() or c in "_.-") else "_" for c in key
+    )
     return os.path.join(directory or LEDGER_DIR, f"{_PREFIX}{safe}.json")
 
 
@@ -253,6 +254,7 @@ class KVMemoryLedger:
             if entry is None:
                 return nbytes if force else 0
             if not force:
+                assert state is not None
                 nbytes = min(nbytes, state.room(entry_id) // unit * unit)
             entry.mapped_bytes += nbytes
             entry.updated = time.time()

@@ -14,7 +14,6 @@ next step (free pages first, cached prefix blocks on them evicted).
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 
@@ -29,10 +28,14 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    """``4096``, ``512M``, ``4G``, ``1.5GiB`` (binary units) -> bytes."""
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1:] if value[-1:] in _UNITS else ""
+    number = value[: len(value) - len(unit)].strip()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
 
 
 def _gib(nbytes: int | None) -> str:

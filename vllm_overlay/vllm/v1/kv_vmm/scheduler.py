@@ -73,16 +73,22 @@ class _DeviceShare:
             if floor is None:
                 floor = initial_pages * page_bytes
             entry_id = ledger.join(
-                capacity_bytes=options.capacity_bytes or policy.max_pages * page_bytes,
+                capacity_bytes=(
+                    policy.max_pages * page_bytes
+                    if options.capacity_bytes is None
+                    else options.capacity_bytes
+                ),
                 name=options.name,
                 mapped_bytes=initial_pages * page_bytes,
                 floor_bytes=floor,
                 limit_bytes=limit,
             )
             self.ledgers.append((ledger, entry_id, page_bytes))
-        self.floor_bytes = sum(
-            (options.floor_bytes or initial_pages * b) for b in self.devices.values()
-        )
+        floors = [
+            initial_pages * b if options.floor_bytes is None else options.floor_bytes
+            for b in self.devices.values()
+        ]
+        self.floor_bytes = sum(floors)
         self.room_pages = 0
         self.limit_pages: int | None = None
         self.states: dict[str, Any] = {}
@@ -336,7 +342,8 @@ class PagedBlockPool(BlockPool):
         assert self._status is not None
         if not self._inflight:
             return
-        confirmed, failed = [], []
+        confirmed: list[int] = []
+        failed: list[int] = []
         for page in sorted(self._inflight):
             ok, bad = self._status.counts(page)
             if ok + bad < self.policy.num_ranks:
