@@ -160,7 +160,12 @@ def test_prometheus_shows_the_device_ledger():
     assert value("vllm:kv_cache_vmm_floor_bytes") == 2 << 20
     on = {"device": "GPU-x"}
     assert (
-        value("vllm:kv_cache_vmm_ledger_bytes", **on, ledger_engine="", quantity="capacity")
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="",
+            quantity="capacity",
+        )
         == 64 << 20
     )
     assert (
