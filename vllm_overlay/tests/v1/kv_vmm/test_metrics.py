@@ -104,4 +104,95 @@ def test_prometheus_exposition_names_and_values():
         "vllm:kv_cache_vmm_page_limit",
         "vllm:kv_cache_vmm_page_maps_total",
         "vllm:kv_cache_vmm_page_unmaps_total",
+        "vllm:kv_cache_vmm_page_map_failures_total",
+        "vllm:kv_cache_vmm_floor_bytes",
     }
+
+
+def test_prometheus_shows_the_device_ledger():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from vllm.v1.kv_vmm.metrics import KVPagePrometheusMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def gauge(**kwargs):
+        kwargs.pop("multiprocess_mode")
+        return prometheus_client.Gauge(registry=registry, **kwargs)
+
+    def counter(**kwargs):
+        return prometheus_client.Counter(registry=registry, **kwargs)
+
+    prom = KVPagePrometheusMetrics(gauge, counter, ["engine"], {0: ["0"]})
+
+    def ledger(*engines):
+        entries = [
+            {
+                "id": e,
+                "pid": 10 + i,
+                "mapped_bytes": 4 << 20,
+                "floor_bytes": 2 << 20,
+                "limit_bytes": None,
+            }
+            for i, e in enumerate(engines)
+        ]
+        return {
+            "GPU-x": {"key": "GPU-x", "capacity_bytes": 64 << 20, "entries": entries}
+        }
+
+    def stats(failures, ledger_json):
+        return KVPageStats(
+            mapped_pages=2,
+            page_limit=8,
+            mapped_bytes=4 << 20,
+            pages_mapped_total=5,
+            pages_unmapped_total=3,
+            map_failures_total=failures,
+            floor_bytes=2 << 20,
+            ledger=ledger_json,
+        )
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"engine": "0", **labels})
+
+    prom.record(0, stats(2, ledger("a", "b")))
+    prom.record(0, stats(5, ledger("a")))
+    assert value("vllm:kv_cache_vmm_page_map_failures_total") == 5
+    assert value("vllm:kv_cache_vmm_floor_bytes") == 2 << 20
+    on = {"device": "GPU-x"}
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="",
+            quantity="capacity",
+        )
+        == 64 << 20
+    )
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="a (pid 10)",
+            quantity="mapped",
+        )
+        == 4 << 20
+    )
+    # b left the ledger: its series are gone; nobody has a limit.
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="b (pid 11)",
+            quantity="mapped",
+        )
+        is None
+    )
+    assert (
+        value(
+            "vllm:kv_cache_vmm_ledger_bytes",
+            **on,
+            ledger_engine="a (pid 10)",
+            quantity="limit",
+        )
+        is None
+    )

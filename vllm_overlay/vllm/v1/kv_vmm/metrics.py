@@ -29,16 +29,19 @@ def kv_page_log_part(stats: KVPageStats) -> tuple[str, list[float]]:
 def sum_kv_page_stats(
     stats: Iterable[KVPageStats | None],
 ) -> KVPageStats | None:
-    """The KV pages of several engines (data parallel) as one: every field
-    summed; None when no engine reports pages."""
+    """The KV pages of several engines (data parallel) as one: every count
+    summed, the device ledgers merged; None when no engine reports pages."""
     reported = [s for s in stats if s is not None]
     if not reported:
         return None
+    ledgers = [s.ledger for s in reported if s.ledger is not None]
     return KVPageStats(
         **{
             f.name: sum(getattr(s, f.name) for s in reported)
             for f in dataclasses.fields(KVPageStats)
-        }
+            if f.name != "ledger"
+        },
+        ledger={k: v for ledger in ledgers for k, v in ledger.items()} or None,
     )
 
 
@@ -108,14 +111,69 @@ class KVPagePrometheusMetrics:
                 labelnames=labelnames,
             )
         )
+        self.map_failures = per_engine(
+            counter_cls(
+                name="vllm:kv_cache_vmm_page_map_failures",
+                documentation="KV cache pages a rank could not map for lack of "
+                "device memory (--kv-cache-memory-backend vmm).",
+                labelnames=labelnames,
+            )
+        )
+        self.floor_bytes = per_engine(
+            gauge_cls(
+                name="vllm:kv_cache_vmm_floor_bytes",
+                documentation="KV cache memory reserved for the engine in its "
+                "devices' ledgers (--kv-cache-vmm-shared).",
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+        )
+        # The device ledgers as this engine reads them: one series per
+        # device, engine on it and quantity.
+        self.ledger_bytes = gauge_cls(
+            name="vllm:kv_cache_vmm_ledger_bytes",
+            documentation="KV cache memory in the device ledger: capacity, "
+            "and each engine's mapped, floor and limit bytes "
+            "(--kv-cache-vmm-shared).",
+            multiprocess_mode="mostrecent",
+            labelnames=[*labelnames, "device", "ledger_engine", "quantity"],
+        )
+        self._labels = per_engine_labelvalues
+        self._ledger_series: dict[int, set[tuple[str, ...]]] = {}
         # Counters take increments; the scheduler reports running totals.
-        self._last: dict[int, tuple[int, int]] = {}
+        self._last: dict[int, tuple[int, int, int]] = {}
 
     def record(self, engine_idx: int, stats: KVPageStats) -> None:
         self.mapped_bytes[engine_idx].set(stats.mapped_bytes)
         self.mapped_pages[engine_idx].set(stats.mapped_pages)
         self.page_limit[engine_idx].set(stats.page_limit)
-        mapped, unmapped = self._last.get(engine_idx, (0, 0))
+        mapped, unmapped, failures = self._last.get(engine_idx, (0, 0, 0))
         self.page_maps[engine_idx].inc(stats.pages_mapped_total - mapped)
         self.page_unmaps[engine_idx].inc(stats.pages_unmapped_total - unmapped)
-        self._last[engine_idx] = (stats.pages_mapped_total, stats.pages_unmapped_total)
+        self.map_failures[engine_idx].inc(stats.map_failures_total - failures)
+        self._last[engine_idx] = (
+            stats.pages_mapped_total,
+            stats.pages_unmapped_total,
+            stats.map_failures_total,
+        )
+        if stats.ledger is not None:
+            self.floor_bytes[engine_idx].set(stats.floor_bytes)
+            self._record_ledger(engine_idx, stats.ledger)
+
+    def _record_ledger(self, engine_idx: int, ledgers: dict[str, Any]) -> None:
+        labels = [str(v) for v in self._labels[engine_idx]]
+        series: dict[tuple[str, ...], float] = {}
+        for device, state in ledgers.items():
+            series[(*labels, device, "", "capacity")] = state["capacity_bytes"]
+            for entry in state["entries"]:
+                engine = f"{entry['id']} (pid {entry['pid']})"
+                for quantity in ("mapped", "floor", "limit"):
+                    value = entry[f"{quantity}_bytes"]
+                    if value is not None:
+                        series[(*labels, device, engine, quantity)] = value
+        for key, value in series.items():
+            self.ledger_bytes.labels(*key).set(value)
+        # Engines that left the ledger leave the metric too.
+        for key in self._ledger_series.get(engine_idx, set()) - series.keys():
+            self.ledger_bytes.remove(*key)
+        self._ledger_series[engine_idx] = set(series)

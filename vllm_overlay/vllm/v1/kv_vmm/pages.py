@@ -13,6 +13,7 @@ and no thread is started.
 """
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -70,11 +71,38 @@ class KVPagePolicy:
     one step can allocate, so that a step never waits for a page map in
     steady state (see :func:`kv_step_blocks`). At least the headroom."""
 
+    page_status_path: str | None = None
+    """Pages mapped ahead are handed out only once every rank reported them
+    mapped in this file (:mod:`vllm.v1.kv_vmm.page_status`); None: at the
+    next step, as the workers map them in order."""
+    num_ranks: int = 1
+    """Ranks that report each page (with :attr:`page_status_path`)."""
+    ledger: "KVLedgerOptions | None" = None
+    """The device ledgers this engine joins (``--kv-cache-vmm-shared``)."""
+
     @property
     def ahead_pages(self) -> int:
         """Pages that hold :attr:`ahead_blocks` (the headroom at least)."""
         pages = -(-self.ahead_blocks // self.blocks_per_page)
         return max(self.headroom_pages, pages)
+
+
+@dataclass
+class KVLedgerOptions:
+    """How an engine shares its devices' KV memory with other engines
+    (:mod:`vllm.v1.kv_vmm.ledger`)."""
+
+    devices: dict[str, int]
+    """Ledger key (device UUID, or ``host``) -> bytes one page takes there."""
+    capacity_bytes: int | None = None
+    """KV memory the engines of a device share, if this engine creates its
+    ledger; None: this engine's own budget."""
+    floor_bytes: int | None = None
+    """Memory reserved for this engine on each device; None: its startup
+    mapping."""
+    limit_bytes: int | None = None
+    """Most memory this engine maps on each device; None: its page limit."""
+    name: str = ""
 
 
 @dataclass
@@ -106,6 +134,13 @@ class KVPageStats:
     pages_mapped_total: int
     """Pages mapped since startup (the startup mapping included)."""
     pages_unmapped_total: int
+    map_failures_total: int = 0
+    """Pages a rank could not map (the device had no memory for them)."""
+    floor_bytes: int = 0
+    """With a device ledger: this engine's floor, summed over devices."""
+    ledger: dict[str, Any] | None = None
+    """With a device ledger: each device's ledger as the engine last read
+    it (``LedgerState.to_json()`` per device key)."""
 
 
 #: Regions assumed for a per-layer KV tensor whose attention backend the
@@ -347,6 +382,7 @@ def make_kv_page_policy(
     granularity: int = KV_PAGE_GRANULARITY,
     min_chunk_bytes: int = 0,
     ahead_blocks: int = 0,
+    device_keys: Sequence[str] | None = None,
 ) -> KVPagePolicy:
     """One policy for all ranks, budget = the blocks profiling found.
 
@@ -370,10 +406,15 @@ def make_kv_page_policy(
     max_pages = options.kv_cache_vmm_max_pages
     if max_pages is None:
         max_pages = budget_pages
-    page_bytes = 0
+    rank_page_bytes = []
     for config in kv_cache_configs:
         geometry = kv_page_geometry(config, granularity, blocks_per_page)
-        page_bytes += geometry.page_bytes * geometry.pages_per_segment
+        rank_page_bytes.append(geometry.page_bytes * geometry.pages_per_segment)
+    page_bytes = sum(rank_page_bytes)
+    limit_bytes = getattr(options, "kv_cache_vmm_limit_bytes", None)
+    if limit_bytes is not None:
+        # A limit in bytes, on the rank with the largest share.
+        max_pages = min(max_pages, max(1, limit_bytes // max(rank_page_bytes)))
     return KVPagePolicy(
         granularity=granularity,
         blocks_per_page=blocks_per_page,
@@ -383,6 +424,30 @@ def make_kv_page_policy(
         shrink_delay_s=options.kv_cache_vmm_shrink_delay,
         page_bytes=page_bytes,
         ahead_blocks=ahead_blocks,
+        num_ranks=len(kv_cache_configs),
+        ledger=kv_ledger_options(options, rank_page_bytes, device_keys),
+    )
+
+
+def kv_ledger_options(
+    options: Any, rank_page_bytes: Sequence[int], device_keys: Sequence[str] | None
+) -> KVLedgerOptions | None:
+    """The ledger part of the policy with ``--kv-cache-vmm-shared``; the
+    ranks' devices are ``device_keys`` (one per rank, ``host`` for all when
+    None)."""
+    if not getattr(options, "kv_cache_vmm_shared", False):
+        return None
+    if device_keys is None:
+        device_keys = ["host"] * len(rank_page_bytes)
+    devices: dict[str, int] = {}
+    for key, nbytes in zip(device_keys, rank_page_bytes):
+        devices[key] = devices.get(key, 0) + nbytes
+    return KVLedgerOptions(
+        devices=devices,
+        capacity_bytes=getattr(options, "kv_cache_vmm_shared_bytes", None),
+        floor_bytes=getattr(options, "kv_cache_vmm_floor_bytes", None),
+        limit_bytes=getattr(options, "kv_cache_vmm_limit_bytes", None),
+        name=f"pid {os.getpid()}",
     )
 
 
@@ -410,12 +475,31 @@ def set_kv_page_policy(
                 for group in kv_cache_configs[0].kv_cache_groups
             ],
         )
+    device_keys = None
+    shared = getattr(cache_config, "kv_cache_vmm_shared", False)
+    if shared and current_platform.is_cuda():
+        # One rank per visible device, in order (a single host).
+        device_keys = [
+            current_platform.get_device_uuid(rank)
+            for rank in range(len(kv_cache_configs))
+        ]
     policy = make_kv_page_policy(
         cache_config,
         kv_cache_configs,
         min_chunk_bytes=KV_PAGE_MIN_CHUNK_BYTES if current_platform.is_cuda() else 0,
         ahead_blocks=ahead_blocks,
+        device_keys=device_keys,
     )
+    if shared:
+        # Pages mapped ahead are handed out once every rank mapped them; a
+        # page the device has no memory for is then not available for now.
+        from vllm.v1.kv_vmm.page_status import create_page_status
+
+        num_blocks = max(c.num_blocks for c in kv_cache_configs)
+        num_pages = -(-num_blocks // policy.blocks_per_page)
+        status = create_page_status(num_pages, tag=f"{id(policy):x}")
+        policy.page_status_path = status.path
+        status.close()
     for config in kv_cache_configs:
         # A field of KVCacheConfig on releases with the VMM patch.
         target: Any = config

@@ -19,14 +19,27 @@ pages before its forward pass. A step refills at most as many blocks as it
 handed out (a page's worth at least): the maps then take about as long as
 the step's own forward pass hides, instead of a whole step's worth landing
 behind the short forward pass of the first request after an idle period.
+
+Sharing a device (``KVPagePolicy.ledger``): the pool records what it maps
+in each device's :class:`KVMemoryLedger` and maps beyond its floor only what
+the ledger shows as free; a limit set there (by the ledger CLI) becomes the
+page limit. Pages mapped ahead are then handed out only once every rank
+reported them mapped (``KVPagePolicy.page_status_path``): a page that some
+rank could not map is unmapped again, and unmapped pages count as not
+available (requests wait or are preempted, as with a full pool) until a
+retry after a backoff.
 """
 
 import time
+import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+from vllm.v1.kv_vmm.page_status import KVPageStatus
 from vllm.v1.kv_vmm.pages import (
     KVPageOps,
     KVPagePolicy,
@@ -35,6 +48,102 @@ from vllm.v1.kv_vmm.pages import (
 )
 
 logger = init_logger(__name__)
+
+#: Backoff before pages some rank could not map are asked for again.
+MAP_RETRY_MIN_S = 0.1
+MAP_RETRY_MAX_S = 5.0
+#: How often the pool reads the device ledgers (what is free, its limit).
+LEDGER_READ_INTERVAL_S = 0.05
+
+
+class _DeviceShare:
+    """The pool's entries in the ledgers of its devices."""
+
+    def __init__(self, policy: KVPagePolicy, initial_pages: int) -> None:
+        options = policy.ledger
+        assert options is not None
+        self.devices = options.devices
+        self.ledgers: list[tuple[KVMemoryLedger, str, int]] = []
+        for key, page_bytes in options.devices.items():
+            ledger = KVMemoryLedger(key)
+            limit = options.limit_bytes
+            if limit is None:
+                limit = policy.max_pages * page_bytes
+            floor = options.floor_bytes
+            if floor is None:
+                floor = initial_pages * page_bytes
+            entry_id = ledger.join(
+                capacity_bytes=(
+                    policy.max_pages * page_bytes
+                    if options.capacity_bytes is None
+                    else options.capacity_bytes
+                ),
+                name=options.name,
+                mapped_bytes=initial_pages * page_bytes,
+                floor_bytes=floor,
+                limit_bytes=limit,
+            )
+            self.ledgers.append((ledger, entry_id, page_bytes))
+        floors = [
+            initial_pages * b if options.floor_bytes is None else options.floor_bytes
+            for b in self.devices.values()
+        ]
+        self.floor_bytes = sum(floors)
+        self.room_pages = 0
+        self.limit_pages: int | None = None
+        self.states: dict[str, Any] = {}
+        self.read_at = float("-inf")
+        # Also at interpreter exit; a killed engine is dropped by pid.
+        self._finalizer = weakref.finalize(self, _leave, list(self.ledgers))
+
+    def read(self) -> None:
+        """Refresh the free room and the limit (in pages) from the ledgers."""
+        room, limit = None, None
+        for ledger, entry_id, page_bytes in self.ledgers:
+            state = ledger.read()
+            entry = state.entry(entry_id) if state is not None else None
+            if state is None or entry is None:
+                # Removed from outside (or the file was): join as we are.
+                continue
+            self.states[ledger.key] = state.to_json()
+            pages = state.room(entry_id) // page_bytes
+            room = pages if room is None else min(room, pages)
+            if entry.limit_bytes is not None:
+                pages = max(1, entry.limit_bytes // page_bytes)
+                limit = pages if limit is None else min(limit, pages)
+        self.room_pages = room if room is not None else 0
+        self.limit_pages = limit
+
+    def grow(self, num_pages: int, force: bool) -> int:
+        """Record up to ``num_pages`` more on every device; the pages all of
+        them granted (all of them with ``force``)."""
+        granted = []
+        for ledger, entry_id, page_bytes in self.ledgers:
+            nbytes = ledger.grow(entry_id, num_pages * page_bytes, page_bytes, force)
+            granted.append(nbytes // page_bytes)
+        pages = min(granted, default=num_pages)
+        for (ledger, entry_id, page_bytes), got in zip(self.ledgers, granted):
+            if got > pages:
+                ledger.shrink(entry_id, (got - pages) * page_bytes)
+        self.room_pages = max(self.room_pages - pages, 0)
+        return pages
+
+    def shrink(self, num_pages: int) -> None:
+        for ledger, entry_id, page_bytes in self.ledgers:
+            ledger.shrink(entry_id, num_pages * page_bytes)
+
+    def set_limit(self, num_pages: int) -> None:
+        for ledger, entry_id, page_bytes in self.ledgers:
+            ledger.update(entry_id, limit_bytes=num_pages * page_bytes)
+        self.limit_pages = num_pages
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _leave(ledgers: list[tuple[KVMemoryLedger, str, int]]) -> None:
+    for ledger, entry_id, _ in ledgers:
+        ledger.leave(entry_id)
 
 
 class PagedBlockPool(BlockPool):
@@ -75,23 +184,58 @@ class PagedBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue(
             [b for p in initial for b in self._page_blocks(p) if not b.is_null]
         )
+        # Pages asked for ahead and not yet reported mapped by every rank
+        # (only with a page report); they count as mapped for the limits.
+        self._inflight: set[int] = set()
+        self._status = None
+        if policy.page_status_path is not None:
+            self._status = KVPageStatus(policy.page_status_path)
+        self.num_map_failures_total = 0
+        self._retry_at = float("-inf")
+        self._retry_delay = 0.0
+        self._denied_logged = False
+        self._share = None
+        if policy.ledger is not None:
+            self._share = _DeviceShare(policy, len(initial))
+            self._read_ledger(force=True)
 
     # -- accounting ---------------------------------------------------------
     @property
     def num_mapped_pages(self) -> int:
         return len(self._mapped)
 
+    @property
+    def _num_held(self) -> int:
+        """Pages mapped or being mapped: what the limits count."""
+        return len(self._mapped) + len(self._inflight)
+
     def _page_blocks(self, page: int) -> list[KVCacheBlock]:
         bpp = self.policy.blocks_per_page
         return self.blocks[page * bpp : min((page + 1) * bpp, self.num_gpu_blocks)]
 
-    def _growable_blocks(self) -> int:
+    def _growable_blocks(self, admitted: bool = False) -> int:
         # Pages are mapped lowest id first, so only the last page (which may
         # be partial) can be among the growable ones when all are.
-        num_unmapped = self.num_pages - len(self._mapped)
-        pages = min(max(self.policy.max_pages - len(self._mapped), 0), num_unmapped)
+        if self._status is not None:
+            self._poll()
+        num_unmapped = self.num_pages - self._num_held
+        pages = min(max(self.policy.max_pages - self._num_held, 0), num_unmapped)
+        # admitted: blocks the caller was told were free (get_num_free_blocks);
+        # the ledger may have changed since, the limit has not.
+        if not admitted and self._retry_at > self.clock():
+            # Some rank had no memory for a page: nothing more for now.
+            pages = 0
+        elif not admitted and self._share is not None:
+            self._read_ledger()
+            pages = min(pages, self._share.room_pages)
         blocks = pages * self.policy.blocks_per_page
-        if pages and pages == num_unmapped and (self.num_pages - 1) not in self._mapped:
+        last = self.num_pages - 1
+        if (
+            pages
+            and pages == num_unmapped
+            and last not in self._mapped
+            and last not in self._inflight
+        ):
             blocks -= self.num_pages * self.policy.blocks_per_page - self.num_gpu_blocks
         return blocks
 
@@ -103,7 +247,8 @@ class PagedBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         if self._checking_idle:
             return self.num_gpu_blocks - 1
-        return self.free_block_queue.num_free_blocks + self._growable_blocks()
+        growable = self._growable_blocks()  # takes in reported pages first
+        return self.free_block_queue.num_free_blocks + growable
 
     def get_usage(self) -> float:
         # Blocks beyond the page limit (e.g. of a last page the profiled
@@ -126,9 +271,11 @@ class PagedBlockPool(BlockPool):
 
     # -- allocation -----------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if self._status is not None:
+            self._poll()
         missing = num_blocks - self.free_block_queue.num_free_blocks
         if missing > 0:
-            if missing > self._growable_blocks():
+            if missing > self._growable_blocks(admitted=True):
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
             self._grow(missing)
         self._blocks_handed_out += num_blocks
@@ -139,14 +286,25 @@ class PagedBlockPool(BlockPool):
         for page in range(self.num_pages):
             if num_blocks <= 0:
                 break
-            if page in self._mapped:
+            if page in self._mapped or page in self._inflight:
                 continue
             new_pages.append(page)
             num_blocks -= len(self._page_blocks(page))
         self._map(new_pages, ahead)
 
     def _map(self, pages: list[int], ahead: bool = False) -> None:
+        if self._share is not None and pages:
+            # Pages a step needs now are recorded even where the ledger is
+            # short (another engine grew meanwhile): the driver decides.
+            granted = self._share.grow(len(pages), force=not ahead)
+            pages = pages[:granted]
         if not pages:
+            return
+        if ahead and self._status is not None:
+            # Handed out once every rank reported them mapped (_poll).
+            self._status.reset(pages)
+            self._inflight.update(pages)
+            self._pending.ahead.extend(pages)
             return
         self._mapped.update(pages)
         self._num_mapped_blocks += sum(len(self._page_blocks(p)) for p in pages)
@@ -175,6 +333,66 @@ class PagedBlockPool(BlockPool):
             self._num_mapped_blocks -= len(blocks)
         self._pending.unmap.extend(pages)
         self.num_pages_unmapped_total += len(pages)
+        if self._share is not None and pages:
+            self._share.shrink(len(pages))
+
+    def _poll(self) -> None:
+        """Take in the pages every rank reported mapped (their blocks become
+        free) and give up those some rank could not map."""
+        assert self._status is not None
+        if not self._inflight:
+            return
+        confirmed: list[int] = []
+        failed: list[int] = []
+        for page in sorted(self._inflight):
+            ok, bad = self._status.counts(page)
+            if ok + bad < self.policy.num_ranks:
+                continue
+            (failed if bad else confirmed).append(page)
+        if confirmed:
+            self._inflight.difference_update(confirmed)
+            self._mapped.update(confirmed)
+            self._num_mapped_blocks += sum(len(self._page_blocks(p)) for p in confirmed)
+            self.num_pages_mapped_total += len(confirmed)
+            self.free_block_queue.append_n(
+                [b for p in confirmed for b in self._page_blocks(p)]
+            )
+            if not failed:
+                self._retry_delay = 0.0
+        if failed:
+            self._inflight.difference_update(failed)
+            # Ranks that did map them give the memory back.
+            self._pending.unmap.extend(failed)
+            self.num_map_failures_total += len(failed)
+            if self._share is not None:
+                self._share.shrink(len(failed))
+            if not self._retry_delay:
+                logger.warning(
+                    "KV cache pages %s could not be mapped on every rank (the "
+                    "device is out of memory); they are not available for now "
+                    "(requests wait or are preempted as with a full KV cache), "
+                    "retrying with backoff",
+                    failed,
+                )
+            self._retry_delay = min(
+                max(self._retry_delay * 2, MAP_RETRY_MIN_S), MAP_RETRY_MAX_S
+            )
+            self._retry_at = self.clock() + self._retry_delay
+
+    def _read_ledger(self, force: bool = False) -> None:
+        share = self._share
+        assert share is not None
+        now = self.clock()
+        if not force and 0 <= now - share.read_at < LEDGER_READ_INTERVAL_S:
+            return
+        share.read_at = now
+        share.read()
+        limit = share.limit_pages
+        if limit is not None and limit != self.policy.max_pages:
+            # Set in the ledger from outside (the ledger CLI).
+            self.policy.max_pages = limit
+            self._shrink_to_limit()
+            logger.info("KV page limit set to %d pages from the device ledger", limit)
 
     def _free_pages(self) -> list[int]:
         """Mapped pages none of whose blocks is in use, highest id first."""
@@ -192,8 +410,12 @@ class PagedBlockPool(BlockPool):
         """Page changes for this step's message, after the headroom and the
         limit are enforced."""
         policy = self.policy
+        if self._status is not None:
+            self._poll()
+        if self._share is not None:
+            self._read_ledger()
         shrink_due_in = self._idle_shrink_due_in()
-        if len(self._mapped) > policy.max_pages:
+        if self._num_held > policy.max_pages:
             self._shrink_to_limit()
         elif shrink_due_in == 0.0:
             # Keep the lowest free pages as headroom: pages stay compact.
@@ -205,18 +427,31 @@ class PagedBlockPool(BlockPool):
         ahead = policy.headroom_pages * policy.blocks_per_page
         if not self.idle:
             ahead = max(ahead, policy.ahead_blocks)
-        short = ahead - self.free_block_queue.num_free_blocks
+        coming = sum(len(self._page_blocks(p)) for p in self._inflight)
+        short = ahead - self.free_block_queue.num_free_blocks - coming
         # The refill follows demand: what this step handed out, a page's
         # worth at least, so the maps hide behind its forward pass.
         refill = max(self._blocks_handed_out, policy.blocks_per_page)
         self._blocks_handed_out = 0
-        if short > 0 and len(self._mapped) < policy.max_pages:
-            self._grow(min(short, refill, self._growable_blocks()), ahead=True)
+        if short > 0 and self._num_held < policy.max_pages:
+            growable = self._growable_blocks()
+            self._grow(min(short, refill, growable), ahead=True)
+            if self._share is not None and not growable and self._share.room_pages == 0:
+                if not self._denied_logged:
+                    logger.info(
+                        "KV memory of %s is held by other engines; this engine "
+                        "maps more pages once the device ledger shows it free",
+                        ", ".join(self._share.devices),
+                    )
+                    self._denied_logged = True
+            else:
+                self._denied_logged = False
         if not self._pending:
             return None
         ops, self._pending = self._pending, KVPageOps()
-        # A page unmapped and mapped again in the same step stays mapped.
-        both = set(ops.unmap) & (set(ops.map) | set(ops.ahead))
+        # A page unmapped and mapped again in the same step stays mapped
+        # (not one that some rank could not map: it is asked for again).
+        both = set(ops.unmap) & (set(ops.map) | set(ops.ahead)) - self._inflight
         if both:
             ops = KVPageOps(
                 map=[p for p in ops.map if p not in both],
@@ -234,8 +469,11 @@ class PagedBlockPool(BlockPool):
         """Seconds until an idle shrink is due (0.0 if it is due now), or
         None if none is pending: the engine may sleep that long without
         missing the step that gives pages back."""
-        if self._pending or len(self._mapped) > self.policy.max_pages:
+        if self._pending or self._num_held > self.policy.max_pages:
             return 0.0
+        if self._inflight:
+            # Check the ranks' reports at the next step.
+            return 0.0 if self.idle else None
         return self._idle_shrink_due_in()
 
     def _idle_shrink_due_in(self) -> float | None:
@@ -258,7 +496,7 @@ class PagedBlockPool(BlockPool):
     def _shrink_to_limit(self) -> None:
         # Give back free pages, cached prefix blocks on them included; pages
         # still in use go at a later step, once their requests free them.
-        excess = len(self._mapped) - self.policy.max_pages
+        excess = self._num_held - self.policy.max_pages
         if excess > 0:
             self._unmap(self._free_pages()[:excess])
 
@@ -273,21 +511,35 @@ class PagedBlockPool(BlockPool):
             )
         self.policy.max_pages = max_pages
         self._shrink_to_limit()
+        if self._share is not None:
+            self._share.set_limit(max_pages)
         logger.info("KV page limit set to %d pages", max_pages)
 
     def make_page_stats(self) -> KVPageStats:
+        share = self._share
         return KVPageStats(
-            mapped_pages=len(self._mapped),
+            mapped_pages=self._num_held,
             page_limit=self.policy.max_pages,
-            mapped_bytes=len(self._mapped) * self.policy.page_bytes,
+            mapped_bytes=self._num_held * self.policy.page_bytes,
             pages_mapped_total=self.num_pages_mapped_total,
             pages_unmapped_total=self.num_pages_unmapped_total,
+            map_failures_total=self.num_map_failures_total,
+            floor_bytes=share.floor_bytes if share is not None else 0,
+            ledger=dict(share.states) if share is not None else None,
         )
+
+    def close(self) -> None:
+        """Leave the device ledgers (also done at exit)."""
+        if self._share is not None:
+            self._share.close()
+        if self._status is not None:
+            self._status.close()
 
     def page_stats(self) -> dict[str, int]:
         return {
-            "kv_pages_mapped": len(self._mapped),
+            "kv_pages_mapped": self._num_held,
             "kv_pages_mapped_total": self.num_pages_mapped_total,
             "kv_pages_unmapped_total": self.num_pages_unmapped_total,
             "kv_page_limit": self.policy.max_pages,
+            "kv_page_map_failures_total": self.num_map_failures_total,
         }

@@ -6,6 +6,8 @@ sends: the step's own before its forward pass, the pages mapped ahead of
 demand right after the forward pass is launched."""
 
 import math
+import os
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.kv_vmm.backend import VmmBackend
+from vllm.v1.kv_vmm.backend import VmmBackend, VmmOutOfMemoryError
 from vllm.v1.kv_vmm.host import HostVmmBackend
 from vllm.v1.kv_vmm.page_table import KVPageTable, SegmentCallback
 from vllm.v1.kv_vmm.pages import (
@@ -25,6 +27,26 @@ from vllm.v1.kv_vmm.pages import (
 )
 
 logger = init_logger(__name__)
+
+#: Test hook: "RATE[:SEED]" makes that fraction of physical allocations fail
+#: as if the device were out of memory (the failure path, on any backend).
+INJECT_MAP_FAILURES_ENV = "VLLM_KV_VMM_INJECT_MAP_FAILURES"
+#: Backoff of a map the step cannot run without (see KVPageMapper.apply).
+NEEDED_MAP_RETRY_MAX_S = 1.0
+
+
+def inject_map_failures(backend: VmmBackend, spec: str) -> None:
+    """Make ``backend.create`` fail at the rate ``spec`` (``RATE[:SEED]``)."""
+    rate, _, seed = spec.partition(":")
+    rng = random.Random(int(seed) if seed else 0)
+    create = backend.create
+
+    def failing_create(nbytes: int) -> object:
+        if rng.random() < float(rate):
+            raise VmmOutOfMemoryError("cuMemCreate failed: injected out of memory")
+        return create(nbytes)
+
+    backend.create = failing_create  # type: ignore[method-assign]
 
 
 def make_vmm_backend(device: torch.device, granularity: int) -> VmmBackend:
@@ -66,6 +88,8 @@ class KVPageMapper:
     ) -> None:
         self.policy = policy
         backend = make_vmm_backend(device, policy.granularity)
+        if os.environ.get(INJECT_MAP_FAILURES_ENV):
+            inject_map_failures(backend, os.environ[INJECT_MAP_FAILURES_ENV])
         self.geometry = kv_page_geometry(
             kv_cache_config, backend.granularity, policy.blocks_per_page, num_regions
         )
@@ -85,6 +109,17 @@ class KVPageMapper:
         self.num_pages_mapped_ahead_total = 0
         self.num_pages_unmapped_total = 0
         self.peak_mapped_bytes = 0
+        self.num_map_failures_total = 0
+        # Pages mapped ahead that the device had no memory for, when the
+        # scheduler does not wait for the ranks' reports: mapped before the
+        # next forward pass, which may use them.
+        self._owed: set[int] = set()
+        self._failure_logged = False
+        self.status = None
+        if policy.page_status_path is not None:
+            from vllm.v1.kv_vmm.page_status import KVPageStatus
+
+            self.status = KVPageStatus(policy.page_status_path)
         self.apply(KVPageOps(map=initial_kv_pages(policy)))
         logger.info(
             "VMM-backed KV cache: %d virtual blocks (%.2f GiB reserved), "
@@ -137,14 +172,66 @@ class KVPageMapper:
         if ops.unmap:
             unmapped = self.table.unmap_pages(self._table_pages(ops.unmap))
             self.num_pages_unmapped_total += len(unmapped)
-        pages = ops.map
-        if ops.ahead and not self.maps_ahead_after_forward:
-            pages = [*ops.map, *ops.ahead]
+            self._owed.difference_update(ops.unmap)
+        pages = [*sorted(self._owed), *ops.map]
         if pages:
-            mapped = self.table.map_pages(self._table_pages(pages))
-            self.num_pages_mapped_total += len(mapped)
+            self._map_needed(pages)
+            self._owed.clear()
+        if ops.ahead and not self.maps_ahead_after_forward:
+            self._map_ahead(ops.ahead)
         self.map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
+
+    def _map_needed(self, pages: list[int]) -> None:
+        """Map pages whose blocks this step uses. The step cannot run
+        without them, so a map the device has no memory for is retried, with
+        backoff, until it succeeds. The scheduler asks for such pages only
+        within its limit and the device ledger's room; with a page report it
+        hands out pages mapped ahead only once every rank has them."""
+        delay = 0.01
+        while True:
+            try:
+                mapped = self.table.map_pages(self._table_pages(pages))
+                break
+            except VmmOutOfMemoryError as e:
+                self.num_map_failures_total += 1
+                self._log_failure("needed by this step; retrying", pages, e)
+                time.sleep(delay)
+                delay = min(delay * 2, NEEDED_MAP_RETRY_MAX_S)
+        self.num_pages_mapped_total += len(mapped)
+        self._failure_logged = False
+
+    def _map_ahead(self, pages: list[int]) -> None:
+        """Map pages ahead of demand, as many as the device has memory for;
+        report each page's outcome (with a page report) or map the failed
+        ones before the next forward pass (without one)."""
+        failed: list[int] = []
+        try:
+            mapped = self.table.map_pages(self._table_pages(pages))
+        except VmmOutOfMemoryError as e:
+            # One page at a time: keep what fits.
+            self._log_failure("ahead of demand", pages, e)
+            mapped = []
+            for page in pages:
+                try:
+                    mapped += self.table.map_pages(self._table_pages([page]))
+                except VmmOutOfMemoryError:
+                    failed.append(page)
+            self.num_map_failures_total += len(failed)
+        else:
+            self._failure_logged = False
+        self.num_pages_mapped_total += len(mapped)
+        self.num_pages_mapped_ahead_total += len(mapped)
+        if self.status is not None:
+            done = set(failed)
+            self.status.report([p for p in pages if p not in done], failed)
+        else:
+            self._owed.update(failed)
+
+    def _log_failure(self, what: str, pages: list[int], error: Exception) -> None:
+        if not self._failure_logged:
+            logger.warning("Could not map KV cache pages %s %s: %s", pages, what, error)
+            self._failure_logged = True
 
     def apply_ahead(self, ops: KVPageOps) -> None:
         """After the forward pass is launched: map the pages the scheduler
@@ -153,9 +240,7 @@ class KVPageMapper:
         if not ops.ahead or not self.maps_ahead_after_forward:
             return
         start = time.perf_counter()
-        mapped = self.table.map_pages(self._table_pages(ops.ahead))
-        self.num_pages_mapped_total += len(mapped)
-        self.num_pages_mapped_ahead_total += len(mapped)
+        self._map_ahead(ops.ahead)
         self.ahead_map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
@@ -169,10 +254,13 @@ class KVPageMapper:
             "kv_pages_mapped_ahead_total": self.num_pages_mapped_ahead_total // pps,
             "kv_map_seconds": self.map_seconds,
             "kv_ahead_map_seconds": self.ahead_map_seconds,
+            "kv_map_failures_total": self.num_map_failures_total,
         }
 
     def close(self) -> None:
         self.table.close()
+        if self.status is not None:
+            self.status.close()
 
 
 def allocate_vmm_kv_cache(

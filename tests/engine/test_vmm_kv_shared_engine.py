@@ -1,0 +1,166 @@
+"""Engines sharing one device's KV memory (--kv-cache-vmm-shared), on CPU (host VMM backend).
+
+Two real vLLM 0.32.0 engines join the host's KV memory ledger: one's burst maps memory the other
+gave back, and killing an engine frees its entry. Map failures injected into the workers (the
+device out of memory) never take an engine down, and its token ids stay those of a run without
+them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+MAX_TOKENS = 8
+_LEDGER_DIR: list[Path] = []
+
+
+def _prompts() -> list[list[int]]:
+    # 8 long prompts: several KV pages at once.
+    return [[(7 * i + 3 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
+
+
+def _llm(model: Path, backend: str = "vmm", **kwargs):
+    from vllm import LLM
+
+    return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+               kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8192,
+               enable_prefix_caching=True, kv_cache_memory_backend=backend, **kwargs)
+
+
+def _generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # an engine whose core process was killed
+        pass
+    gc.collect()
+
+
+def _map_failures(worker) -> int:
+    return worker.model_runner.kv_page_mapper.stats()["kv_map_failures_total"]
+
+
+@pytest.fixture(scope="module")
+def kv_model(tmp_path_factory) -> Path:
+    from tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny-llama", num_key_value_heads=4)
+
+
+@pytest.fixture
+def ledger_dir(tmp_path, monkeypatch) -> Path:
+    # A ledger of its own (engines of other runs on this host do not meet these).
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(tmp_path))
+    from vllm.v1.kv_vmm import ledger
+
+    monkeypatch.setattr(ledger, "LEDGER_DIR", str(tmp_path))
+    _LEDGER_DIR[:] = [tmp_path]
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def reference_ids(kv_model) -> list[list[int]]:
+    llm = _llm(kv_model, backend="default")
+    try:
+        return _generate(llm)
+    finally:
+        _shutdown(llm)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "alone"])
+def test_injected_map_failures_keep_the_engine_and_its_tokens(
+        kv_model, reference_ids, ledger_dir, monkeypatch, shared):
+    # 30% of the physical allocations fail as if the device were full. Shared: the scheduler
+    # hands out pages mapped ahead only once the worker reported them, and asks again for the
+    # failed ones after a backoff. Alone: the worker maps them before the next step.
+    monkeypatch.setenv("VLLM_KV_VMM_INJECT_MAP_FAILURES", "0.3:7")
+    llm = _llm(kv_model, kv_cache_vmm_shared=shared, kv_cache_vmm_shrink_delay=0)
+    try:
+        ids = [*_generate(llm), *_generate(llm)]
+        failures = llm.collective_rpc(_map_failures)
+    finally:
+        _shutdown(llm)
+    assert ids == reference_ids + reference_ids
+    assert failures[0] > 0  # the failure path ran
+
+
+def _entries(ledger_dir: Path) -> dict[str, dict]:
+    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+
+    state = KVMemoryLedger("host", directory=str(ledger_dir)).read()
+    return {} if state is None else {e.name: vars(e) for e in state.entries}
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out; ledger: {_entries(_LEDGER_DIR[0])}"
+        time.sleep(0.2)
+
+
+def test_two_engines_share_the_host_ledger(kv_model, reference_ids, ledger_dir):
+    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+    from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
+
+    options = dict(kv_cache_vmm_shared=True, kv_cache_vmm_shrink_delay=1.0)
+    a = _llm(kv_model, **options)
+    b = None
+    try:
+        (page,) = set(a.collective_rpc(_page_bytes))
+        # The operator's view: 12 pages for both engines, 2 reserved for each (set at run time
+        # with the ledger CLI, in bytes).
+        capacity = 12 * page
+        run = ["--key", "host"]
+        assert ledger_cli(["capacity", str(capacity), *run], str(ledger_dir)) == 0
+        (name_a,) = _entries(ledger_dir)
+        b = _llm(kv_model, **options)
+        (name_b,) = set(_entries(ledger_dir)) - {name_a}
+        for name in (name_a, name_b):
+            args = ["set", _entries(ledger_dir)[name]["id"], "--floor-bytes", str(2 * page)]
+            assert ledger_cli([*args, *run], str(ledger_dir)) == 0
+        assert KVMemoryLedger("host", str(ledger_dir)).read().capacity_bytes == capacity
+        # Both idle again: each maps the null block's page and the headroom.
+        _wait(lambda: all(e["mapped_bytes"] <= 2 * page for e in _entries(ledger_dir).values()))
+
+        # b's burst: right after it (shrink delay 1 s), b still maps what it used.
+        assert _generate(b) == reference_ids
+        burst_b = _entries(ledger_dir)[name_b]["mapped_bytes"]
+        assert burst_b > 2 * page
+        assert sum(e["mapped_bytes"] for e in _entries(ledger_dir).values()) <= capacity
+        # b gives it back once idle; a's burst maps it.
+        _wait(lambda: _entries(ledger_dir)[name_b]["mapped_bytes"] <= 2 * page)
+        assert _generate(a) == reference_ids
+        burst_a = _entries(ledger_dir)[name_a]["mapped_bytes"]
+        assert burst_a + burst_b > capacity  # memory b held during its burst
+        assert sum(e["mapped_bytes"] for e in _entries(ledger_dir).values()) <= capacity
+
+        # Killing an engine (its core process holds the entry) frees its entry.
+        os.kill(_entries(ledger_dir)[name_a]["pid"], signal.SIGKILL)
+        _wait(lambda: list(_entries(ledger_dir)) == [name_b])
+        assert _generate(b) == reference_ids  # the other one runs on
+    finally:
+        _shutdown(a)
+        if b is not None:
+            _shutdown(b)
+
+
+def _page_bytes(worker) -> int:
+    return worker.model_runner.kv_page_mapper.policy.page_bytes

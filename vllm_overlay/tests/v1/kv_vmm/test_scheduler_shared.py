@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The block pool when pages may not be available: pages mapped ahead are
+handed out once every rank reported them, a page some rank could not map is
+given up and asked for again after a backoff, and engines sharing a device
+map beyond their floor only what its ledger shows as free."""
+
+import pytest
+
+from vllm.v1.kv_vmm import ledger as ledger_module
+from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
+from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
+from vllm.v1.kv_vmm.scheduler import MAP_RETRY_MIN_S, PagedBlockPool
+
+BPP = 4
+PAGE = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger_module, "LEDGER_DIR", str(tmp_path))
+    return tmp_path
+
+
+def make_pool(
+    num_blocks: int = 64,
+    num_ranks: int = 2,
+    ledger: KVLedgerOptions | None = None,
+    ahead_blocks: int = 8,
+) -> tuple[PagedBlockPool, KVPageStatus]:
+    num_pages = -(-num_blocks // BPP)
+    status = create_page_status(num_pages, tag="t")
+    policy = KVPagePolicy(
+        granularity=2 << 20,
+        blocks_per_page=BPP,
+        max_pages=num_pages,
+        headroom_pages=1,
+        shrink="idle",
+        shrink_delay_s=0.0,
+        page_bytes=PAGE,
+        ahead_blocks=ahead_blocks,
+        page_status_path=status.path,
+        num_ranks=num_ranks,
+        ledger=ledger,
+    )
+    pool = PagedBlockPool(
+        num_gpu_blocks=num_blocks,
+        enable_caching=True,
+        hash_block_size=16,
+        policy=policy,
+    )
+    pool.clock = Clock()
+    return pool, status
+
+
+def test_ahead_pages_are_handed_out_once_every_rank_has_them():
+    pool, status = make_pool()
+    # Startup: pages 0..2 (null block's, a step's worth of 8 blocks ahead).
+    assert pool.num_mapped_pages == 3
+    free = pool.free_block_queue.num_free_blocks
+    held = pool.get_new_blocks(free)  # the pool is busy now
+    ops = pool.take_page_ops()
+    assert ops.ahead == [3, 4] and not ops.map
+    # Not handed out yet: no rank reported.
+    assert pool.free_block_queue.num_free_blocks == 0
+    assert pool.make_page_stats().mapped_pages == 5  # counted for the limit
+    status.report([3, 4], [])  # rank 0
+    assert pool.free_block_queue.num_free_blocks == 0
+    assert pool.take_page_ops() is None  # no second request for the same pages
+    status.report([3, 4], [])  # rank 1
+    assert pool.get_num_free_blocks() >= 8
+    assert pool.free_block_queue.num_free_blocks == 8
+    assert {b.block_id // BPP for b in pool.get_new_blocks(8)} == {3, 4}
+    pool.free_blocks(held)
+
+
+def test_a_page_some_rank_could_not_map_waits_for_a_retry():
+    pool, status = make_pool()
+    held = pool.get_new_blocks(pool.free_block_queue.num_free_blocks)
+    ops = pool.take_page_ops()
+    assert ops.ahead == [3, 4]
+    status.report([3, 4], [])
+    status.report([3], [4])  # rank 1 had no memory for page 4
+    before = pool.get_num_free_blocks()
+    assert pool.free_block_queue.num_free_blocks == 4  # page 3 only
+    # Page 4 is not available for now: no growth at all during the backoff,
+    # so requests wait (allocation sees only what is mapped).
+    assert before == 4
+    assert pool.make_page_stats().map_failures_total == 1
+    ops = pool.take_page_ops()
+    assert ops.unmap == [4] and not ops.ahead and not ops.map  # rank 0 gives it back
+    assert pool.take_page_ops() is None
+    # After the backoff the pool asks for it again.
+    pool.clock.now += MAP_RETRY_MIN_S
+    assert pool.get_num_free_blocks() > 4
+    pool.get_new_blocks(4)  # busy: the ahead target is short again
+    ops = pool.take_page_ops()
+    assert 4 in ops.ahead
+    status.report(ops.ahead, [])
+    status.report(ops.ahead, [])
+    pool.get_num_free_blocks()
+    assert pool.free_block_queue.num_free_blocks >= 4
+    pool.free_blocks(held)
+
+
+def test_two_engines_share_a_device_ledger(ledger_dir):
+    options = dict(devices={"host": PAGE}, capacity_bytes=8 * PAGE, name="a")
+    a, status_a = make_pool(
+        num_blocks=64, num_ranks=1, ledger=KVLedgerOptions(**options)
+    )
+    b, status_b = make_pool(
+        num_blocks=64,
+        num_ranks=1,
+        ledger=KVLedgerOptions(**{**options, "capacity_bytes": 99 * PAGE, "name": "b"}),
+    )
+    ledger = KVMemoryLedger("host")
+    state = ledger.read()
+    assert state.capacity_bytes == 8 * PAGE  # the first engine's
+    assert [e.mapped_bytes for e in state.entries] == [3 * PAGE, 3 * PAGE]
+    # Each engine's floor is its startup mapping: 6 of 8 pages held, a
+    # burst of a gets the 2 free pages and no more.
+    held_a = a.get_new_blocks(a.free_block_queue.num_free_blocks)
+    a.clock.now += 1
+    assert a.get_num_free_blocks() == 2 * BPP
+    ops = a.take_page_ops()
+    assert ops.ahead == [3, 4]
+    status_a.report(ops.ahead, [])
+    held_a += a.get_new_blocks(2 * BPP)
+    a.clock.now += 1
+    assert a.get_num_free_blocks() == 0 and a.take_page_ops() is None
+    assert ledger.read().free_bytes == 0
+    # b gives its ahead pages back when idle (shrink delay 0): the ledger
+    # shows them free and a's next burst maps them.
+    ops = b.take_page_ops()
+    assert ops.unmap == [2]
+    a.clock.now += 1
+    assert a.get_num_free_blocks() == 0  # b's floor stays reserved for b
+    # With a lower floor, b keeps only what it maps (2 pages): one is free.
+    ledger.update(find_id(ledger, "b"), floor_bytes=PAGE)
+    a.clock.now += 1
+    assert a.get_num_free_blocks() == BPP
+    ops = a.take_page_ops()
+    assert ops.ahead == [5]
+    # A limit set in the ledger (the CLI) is a's page limit, applied page
+    # by page: free pages go first.
+    status_a.report(ops.ahead, [])
+    # Requests still hold blocks of pages 1 and 2 (no idle shrink).
+    a.free_blocks([blk for blk in held_a if blk.block_id // BPP not in (1, 2)])
+    ledger.update(find_id(ledger, "a"), limit_bytes=4 * PAGE)
+    a.clock.now += 1
+    ops = a.take_page_ops()
+    assert a.policy.max_pages == 4 and a.num_mapped_pages == 4
+    assert sorted(ops.unmap) == [4, 5]
+    assert find(ledger, "a").mapped_bytes == 4 * PAGE
+    # Leaving frees the entry; the last one removes the ledger.
+    a.close()
+    assert [e.name for e in ledger.read().entries] == ["b"]
+    b.close()
+    assert ledger.read() is None
+
+
+def find(ledger: KVMemoryLedger, name: str):
+    state = ledger.read()
+    return next(e for e in state.entries if e.name == name)
+
+
+def find_id(ledger: KVMemoryLedger, name: str) -> str:
+    return find(ledger, name).id
