@@ -19,7 +19,9 @@ MAX_TOKENS = 8
 
 
 def _prompts() -> list[dict]:
-    batch = [[(7 * i + 3 * j) % 4000 + 1 for j in range(300 + 40 * i)] for i in range(8)]
+    # ~7,500 tokens: more blocks than the null block's page holds for the tiny model (256
+    # blocks of 16 tokens per 2 MiB page), so the burst after the idle shrink must map pages.
+    batch = [[(7 * i + 3 * j) % 4000 + 1 for j in range(900 + 10 * i)] for i in range(8)]
     return [{"prompt_token_ids": p} for p in batch]
 
 
@@ -81,7 +83,7 @@ def test_engine_survives_a_full_device_and_keeps_its_tokens(gpu_model: Path, tmp
         gc.collect()
 
     llm = _llm(gpu_model, kv_cache_memory_backend="vmm", kv_cache_vmm_shared=True,
-               kv_cache_vmm_shrink_delay=0)
+               kv_cache_vmm_shrink_delay=0, kv_cache_vmm_headroom_pages=0)
     ctx = multiprocessing.get_context("spawn")
     ready, release = ctx.Event(), ctx.Event()
     filler = ctx.Process(target=_fill_device, args=(ready, release))
