@@ -64,7 +64,12 @@ def _run(model: Path, backend: str, page_limit: int | None = None,
             outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[0]], params)
             ids += [list(o.outputs[0].token_ids) for o in outs]
             stats.append(llm.collective_rpc(_worker_stats))
-            stats.append([llm.set_kv_cache_page_limit(64)])
+            # The limit in bytes: 64 pages' worth plus less than a page, rounded down.
+            page_bytes = pages["kv_page_bytes"]
+            raised = llm.set_kv_cache_page_limit(
+                max_bytes=64 * page_bytes + page_bytes // 2)
+            assert raised["kv_limit_bytes"] == 64 * page_bytes
+            stats.append([raised])
         return ids, stats
     finally:
         llm.llm_engine.engine_core.shutdown()

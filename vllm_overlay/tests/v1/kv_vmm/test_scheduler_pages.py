@@ -347,6 +347,25 @@ def test_a_step_refills_at_most_what_it_handed_out():
     pool.free_blocks(used)
 
 
+def test_the_limit_in_bytes_is_rounded_down_to_whole_pages():
+    pool = make_pool(num_blocks=64)
+    pool.policy.page_bytes = 8 << 20
+    pool.set_page_limit(max_bytes=(5 << 23) + (1 << 20))
+    assert pool.policy.max_pages == 5
+    stats = pool.page_stats()
+    assert stats["kv_limit_bytes"] == 5 << 23 and stats["kv_page_bytes"] == 8 << 20
+    assert stats["kv_mapped_bytes"] == stats["kv_pages_mapped"] * (8 << 20)
+    pool.set_page_limit(max_pages=3)
+    assert pool.policy.max_pages == 3
+    with pytest.raises(ValueError, match="less than one page"):
+        pool.set_page_limit(max_bytes=(8 << 20) - 1)
+    with pytest.raises(ValueError, match="not both"):
+        pool.set_page_limit(max_pages=2, max_bytes=16 << 20)
+    with pytest.raises(ValueError, match="not neither"):
+        pool.set_page_limit()
+    assert pool.policy.max_pages == 3
+
+
 def test_ahead_blocks_of_an_idle_pool_are_not_mapped_back():
     pool = make_pool(headroom=0, ahead_blocks=8)
     assert pool.num_mapped_pages == 3

@@ -500,6 +500,29 @@ class PagedBlockPool(BlockPool):
         if excess > 0:
             self._unmap(self._free_pages()[:excess])
 
+    def set_page_limit(
+        self, max_pages: int | None = None, max_bytes: int | None = None
+    ) -> None:
+        """Change the physical limit, in pages or in bytes (rounded down to
+        whole pages): exactly one of the two. See :meth:`set_max_pages`."""
+        if (max_pages is None) == (max_bytes is None):
+            raise ValueError(
+                "give the KV cache limit either in pages (max_pages) or in bytes "
+                f"(max_bytes), not {'both' if max_pages is not None else 'neither'}"
+            )
+        if max_bytes is not None:
+            page_bytes = self.policy.page_bytes
+            if page_bytes <= 0:
+                raise ValueError("this KV cache does not know its page size in bytes")
+            max_pages = max_bytes // page_bytes
+            if max_pages < 1:
+                raise ValueError(
+                    f"a KV cache limit of {max_bytes} bytes is less than one page "
+                    f"({page_bytes} bytes)"
+                )
+        assert max_pages is not None
+        self.set_max_pages(max_pages)
+
     def set_max_pages(self, max_pages: int) -> None:
         """Change the physical limit. Lowering it unmaps free pages at once
         (evicting the cached prefix blocks on them; the workers apply it at
@@ -542,4 +565,7 @@ class PagedBlockPool(BlockPool):
             "kv_pages_unmapped_total": self.num_pages_unmapped_total,
             "kv_page_limit": self.policy.max_pages,
             "kv_page_map_failures_total": self.num_map_failures_total,
+            "kv_page_bytes": self.policy.page_bytes,
+            "kv_mapped_bytes": self._num_held * self.policy.page_bytes,
+            "kv_limit_bytes": self.policy.max_pages * self.policy.page_bytes,
         }
