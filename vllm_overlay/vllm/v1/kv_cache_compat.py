@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 
@@ -78,3 +80,27 @@ def check_enough_kv_cache_memory(
     _kv_cache_planning().check_enough_kv_cache_memory(
         vllm_config, kv_cache_spec, available_memory
     )
+
+
+def kv_tensors_share_one_backing(kv_cache_config: "KVCacheConfig") -> bool:
+    """Whether a rank's KV tensors live in one backing allocation.
+
+    Since vLLM 0.32 each `KVCacheTensor` says where it lies in that allocation
+    (`block_stride`); before, the model runner allocates one tensor per
+    `KVCacheTensor`.
+    """
+    return hasattr(kv_cache_config.kv_cache_tensors[0], "block_stride")
+
+
+def notify_blocks_reused(block_pool: "BlockPool", blocks: "list[KVCacheBlock]") -> None:
+    """Tell readers of blocks released with `unpin_blocks` that the blocks are
+    gone (since vLLM 0.33; block pools before have no such readers)."""
+    notify = getattr(block_pool, "_notify_reuse", None)
+    if notify is not None and getattr(block_pool, "_reuse_watchers", None):
+        notify(blocks)
+
+
+def kv_storage_block_size(kv_cache_spec: "KVCacheSpec") -> int:
+    """Tokens per block as the KV tensor stores them: `storage_block_size`
+    where a release distinguishes it from the scheduler's block size."""
+    return getattr(kv_cache_spec, "storage_block_size", kv_cache_spec.block_size)

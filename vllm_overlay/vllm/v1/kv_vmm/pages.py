@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from vllm.v1.kv_cache_compat import kv_tensors_share_one_backing
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 
 if TYPE_CHECKING:
@@ -152,10 +153,7 @@ KV_SPLIT_REGIONS = 2
 
 
 def _shares_one_backing(kv_cache_config: "KVCacheConfig") -> bool:
-    # vLLM releases that place all KV tensors of a rank in one backing
-    # allocation describe each tensor's place in it (``block_stride``);
-    # older ones allocate one tensor per KVCacheTensor.
-    return hasattr(kv_cache_config.kv_cache_tensors[0], "block_stride")
+    return kv_tensors_share_one_backing(kv_cache_config)
 
 
 def _backing_tensors(kv_cache_config: "KVCacheConfig") -> list[Any]:

@@ -38,6 +38,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.kv_cache_compat import notify_blocks_reused
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.page_status import KVPageStatus
 from vllm.v1.kv_vmm.pages import (
@@ -320,11 +321,7 @@ class PagedBlockPool(BlockPool):
         pages = sorted(pages)
         for page in pages:
             blocks = self._page_blocks(page)
-            # Readers of blocks released with unpin_blocks learn that the
-            # blocks are gone (block pools without that API have no readers).
-            notify = getattr(self, "_notify_reuse", None)
-            if notify is not None and getattr(self, "_reuse_watchers", None):
-                notify(blocks)
+            notify_blocks_reused(self, blocks)
             for block in blocks:
                 assert block.ref_cnt == 0 and not block.is_null
                 self._maybe_evict_cached_block(block)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_compat import kv_storage_block_size
 from vllm.v1.kv_vmm.backend import VmmBackend, VmmOutOfMemoryError
 from vllm.v1.kv_vmm.host import HostVmmBackend
 from vllm.v1.kv_vmm.page_table import KVPageTable, SegmentCallback
@@ -305,7 +306,7 @@ def attention_kv_regions(
             "use --kv-cache-memory-backend default"
         )
     kernel_blocks = kv_cache_spec.block_size // kernel_block_size
-    block_size = getattr(kv_cache_spec, "storage_block_size", kv_cache_spec.block_size)
+    block_size = kv_storage_block_size(kv_cache_spec)
     if block_size == kv_cache_spec.block_size:
         block_size = kernel_block_size
 
