@@ -152,10 +152,6 @@ class KVPageStats:
 KV_SPLIT_REGIONS = 2
 
 
-def _shares_one_backing(kv_cache_config: "KVCacheConfig") -> bool:
-    return kv_tensors_share_one_backing(kv_cache_config)
-
-
 def _backing_tensors(kv_cache_config: "KVCacheConfig") -> list[Any]:
     # The fields of a shared backing (offset, layers, layer_stride,
     # block_stride, host_resident) exist only on releases that have one; this
@@ -240,7 +236,7 @@ def kv_tensor_layouts(
     how many regions each has: ``num_regions`` (one per tensor, from the
     worker), or :data:`KV_SPLIT_REGIONS` when unknown.
     """
-    if _shares_one_backing(kv_cache_config):
+    if kv_tensors_share_one_backing(kv_cache_config):
         return [kv_backing_layout(kv_cache_config)]
     tensors = kv_cache_config.kv_cache_tensors
     num_blocks = kv_cache_config.num_blocks
@@ -290,7 +286,7 @@ def virtual_kv_cache_config(
     Block ids past the pool's are never handed out; they only round the
     regions up to whole pages so that a page is whole granules everywhere.
     """
-    if not _shares_one_backing(kv_cache_config):
+    if not kv_tensors_share_one_backing(kv_cache_config):
         sizes = geometry.tensor_bytes
         tensors = [
             replace(t, size=nbytes)
