@@ -80,7 +80,9 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-def _alive(pid: int, start_time: int | None) -> bool:
+def process_alive(pid: int, start_time: int | None) -> bool:
+    """Whether ``pid`` runs and is the process that started at ``start_time``
+    (None: any), so a reused pid does not count."""
     current = process_start_time(pid)
     return current is not None and (start_time is None or current == start_time)
 
@@ -191,7 +193,9 @@ class KVMemoryLedger:
                 yield None
                 return
             before = json.dumps(state.to_json(), sort_keys=True)
-            state.entries = [e for e in state.entries if _alive(e.pid, e.start_time)]
+            state.entries = [
+                e for e in state.entries if process_alive(e.pid, e.start_time)
+            ]
             yield state
             if not state.entries and state.capacity_bytes >= 0:
                 # The last engine left or died: the ledger goes with it.

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Iterable
 
 from vllm.v1.kv_vmm import ledger
-from vllm.v1.kv_vmm.ledger import process_start_time
+from vllm.v1.kv_vmm.ledger import process_alive, process_start_time
 
 _PREFIX = "vllm-kv-pages-"
 _SLOT = struct.Struct("<HH")  # ranks that mapped the page, ranks that failed
@@ -86,7 +86,7 @@ def _sweep(directory: str) -> None:
                 pid, start = (int(x) for x in name[len(_PREFIX) :].split("-")[:2])
             except ValueError:
                 continue
-            if process_start_time(pid) != start:
+            if not process_alive(pid, start):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(directory, name))
 
