@@ -10,9 +10,14 @@ and its limit. All reads and writes hold an exclusive ``flock`` on the file.
 
 Policy (first come, first served, with floors and caps):
 
-* ``capacity`` is the KV memory the engines on the device share. The engine
-  that creates the ledger sets it (its own KV budget, or an explicit size);
-  later engines keep it; the CLI changes it.
+* ``capacity`` is the KV memory the engines on the device share. Each GPU
+  engine measures it when it starts (:meth:`KVMemoryLedger.measure_capacity`:
+  its memory request minus everything on the device that is neither its own
+  nor KV memory of the ledger's engines, minus its own non-KV memory), so
+  the engine started last, which sees every engine's weights, sets it. An
+  explicit size (``--kv-cache-vmm-shared-bytes`` or the CLI) is kept over
+  measurements. Where nothing was measured (host backend), the first engine
+  sets it to its own KV budget.
 * An engine's floor is reserved for it: it may always map up to its floor.
   Beyond the floor it maps only what the ledger shows as free, i.e.
   ``capacity`` minus every other engine's ``max(mapped, floor)`` minus its
@@ -112,6 +117,12 @@ class LedgerState:
     key: str
     capacity_bytes: int
     entries: list[LedgerEntry]
+    capacity_fixed: bool = False
+    """The capacity was given explicitly (option or CLI): measurements of
+    starting engines do not change it."""
+    measured_by: list[Any] | None = None
+    """``[pid, start time]`` of the process that measured the capacity last:
+    the ledger stays while that process lives, before its engine joins."""
 
     @property
     def held_bytes(self) -> int:
@@ -141,6 +152,8 @@ class LedgerState:
         return {
             "key": self.key,
             "capacity_bytes": self.capacity_bytes,
+            "capacity_fixed": self.capacity_fixed,
+            "measured_by": self.measured_by,
             "entries": [asdict(e) for e in self.entries],
         }
 
@@ -186,6 +199,8 @@ class KVMemoryLedger:
                     key=doc["key"],
                     capacity_bytes=doc["capacity_bytes"],
                     entries=[LedgerEntry(**e) for e in doc["entries"]],
+                    capacity_fixed=doc.get("capacity_fixed", False),
+                    measured_by=doc.get("measured_by"),
                 )
             elif create:
                 state = LedgerState(key=self.key, capacity_bytes=-1, entries=[])
@@ -196,9 +211,18 @@ class KVMemoryLedger:
             state.entries = [
                 e for e in state.entries if process_alive(e.pid, e.start_time)
             ]
+            if state.measured_by is not None and not process_alive(
+                *state.measured_by
+            ):
+                state.measured_by = None
             yield state
-            if not state.entries and state.capacity_bytes >= 0:
-                # The last engine left or died: the ledger goes with it.
+            if (
+                not state.entries
+                and state.capacity_bytes >= 0
+                and state.measured_by is None
+            ):
+                # The last engine left or died (and no engine is starting):
+                # the ledger goes with it.
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
                 return
@@ -224,9 +248,14 @@ class KVMemoryLedger:
         mapped_bytes: int = 0,
         floor_bytes: int = 0,
         limit_bytes: int | None = None,
+        fixed: bool = False,
     ) -> str:
-        """Add this engine; return its entry id. ``capacity_bytes`` is used
-        only if the ledger is new (the first engine sets it)."""
+        """Add this engine; return its entry id.
+
+        ``capacity_bytes`` is used if the ledger has no capacity yet (the
+        first engine, when no starting engine measured one), or with
+        ``fixed`` (an explicit size) unless an explicit size is set already.
+        """
         pid = os.getpid()
         entry = LedgerEntry(
             id=uuid.uuid4().hex[:12],
@@ -239,7 +268,12 @@ class KVMemoryLedger:
         )
         with self._locked(create=True) as state:
             assert state is not None
-            if state.capacity_bytes < 0 or not state.entries:
+            if fixed and not state.capacity_fixed:
+                state.capacity_bytes = capacity_bytes
+                state.capacity_fixed = True
+            elif state.capacity_bytes < 0 or (
+                not state.entries and state.measured_by is None
+            ):
                 state.capacity_bytes = capacity_bytes
             state.entries.append(entry)
         return entry.id
@@ -286,12 +320,32 @@ class KVMemoryLedger:
             return entry
 
     def set_capacity(self, capacity_bytes: int) -> None:
+        """An explicit capacity (the CLI): kept over later measurements."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity must not be negative: {capacity_bytes}")
         with self._locked(create=False) as state:
             if state is None:
                 raise FileNotFoundError(f"no KV memory ledger for {self.key}")
             state.capacity_bytes = capacity_bytes
+            state.capacity_fixed = True
+
+    def mapped_bytes(self) -> int:
+        """KV memory the ledger's engines map now (0 without a ledger)."""
+        state = self.read()
+        return 0 if state is None else sum(e.mapped_bytes for e in state.entries)
+
+    def measure_capacity(self, capacity_bytes: int) -> int:
+        """Record the device's shared KV capacity as a starting engine
+        measured it (before its engine joins); returns the capacity in
+        force, which an explicit size keeps."""
+        pid = os.getpid()
+        with self._locked(create=True) as state:
+            assert state is not None
+            if not state.capacity_fixed:
+                state.capacity_bytes = max(capacity_bytes, 0)
+            state.measured_by = [pid, process_start_time(pid)]
+            result = state.capacity_bytes
+        return result
 
 
 def find_entry(state: LedgerState, ident: str) -> LedgerEntry:

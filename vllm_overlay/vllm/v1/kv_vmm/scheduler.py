@@ -83,6 +83,7 @@ class _DeviceShare:
                 mapped_bytes=initial_pages * page_bytes,
                 floor_bytes=floor,
                 limit_bytes=limit,
+                fixed=options.capacity_bytes is not None,
             )
             self.ledgers.append((ledger, entry_id, page_bytes))
         floors = [

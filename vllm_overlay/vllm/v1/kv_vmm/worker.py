@@ -408,3 +408,90 @@ def map_kv_pages_ahead(model_runner: Any, scheduler_output: Any) -> None:
     ops = getattr(scheduler_output, "kv_page_ops", None)
     if mapper is not None and ops:
         mapper.apply_ahead(ops)
+
+
+def _sharing(cache_config: Any) -> bool:
+    return (
+        getattr(cache_config, "kv_cache_memory_backend", "default") == "vmm"
+        and getattr(cache_config, "kv_cache_vmm_shared", False)
+    )
+
+
+def shared_kv_memory_request(init_snapshot: Any, cache_config: Any) -> int | None:
+    """The worker's memory request with ``--kv-cache-vmm-shared``; None
+    without it (vLLM's ``request_memory`` then applies, unchanged).
+
+    ``--gpu-memory-utilization`` keeps its meaning: the share of the
+    device's memory this engine may use, KV memory included. What is not
+    required any more is that all of it be free at startup: KV memory is
+    virtual until mapped, and what an engine maps comes from the device
+    ledger's free room (other engines' idle KV memory included). The
+    engine's virtual KV capacity is therefore what it would get alone on
+    the device: the request minus its own weights and activations; the
+    physical part is the ledger's business.
+    """
+    if not _sharing(cache_config):
+        return None
+    requested = math.ceil(
+        init_snapshot.total_memory * cache_config.gpu_memory_utilization
+    )
+    if init_snapshot.free_memory < requested:
+        logger.info(
+            "KV memory shared through the device ledger: %.2f GiB of the "
+            "%.2f GiB requested (--gpu-memory-utilization %s) are free at "
+            "startup; KV memory is mapped from what the ledger shows free",
+            init_snapshot.free_memory / (1 << 30),
+            requested / (1 << 30),
+            cache_config.gpu_memory_utilization,
+        )
+    return requested
+
+
+def measure_shared_kv_capacity(
+    cache_config: Any,
+    device: torch.device,
+    total_bytes: int,
+    init_free_bytes: int,
+    requested_bytes: int,
+    non_kv_bytes: int,
+) -> int | None:
+    """Measure the KV memory the engines of this device can share and
+    record it in the device ledger (``--kv-cache-vmm-shared`` without
+    ``--kv-cache-vmm-shared-bytes``); returns the capacity in force, None
+    without sharing.
+
+    The capacity is vLLM's own KV budget with the ledger's KV memory
+    counted as available: this engine's request, minus what the device
+    held at startup that is not KV memory of the ledger's engines (their
+    weights and activations, other processes), minus this engine's non-KV
+    memory (weights, peak activations, non-torch and CUDA graph memory).
+    The engine started last sees every engine's weights, so its
+    measurement is the one that counts. Like vLLM's profile, it assumes
+    the other processes did not change their memory while it ran.
+    """
+    if not _sharing(cache_config):
+        return None
+    if getattr(cache_config, "kv_cache_vmm_shared_bytes", None) is not None:
+        return None
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+
+    # The engine core names each rank's device ledger the same way.
+    ledger_key = current_platform.get_device_uuid(device.index or 0)
+    ledger = KVMemoryLedger(ledger_key)
+    ledger_kv = ledger.mapped_bytes()
+    held_by_others = max(total_bytes - init_free_bytes - ledger_kv, 0)
+    measured = requested_bytes - held_by_others - non_kv_bytes
+    capacity = ledger.measure_capacity(measured)
+    logger.info(
+        "KV memory the engines on device %s share: %.2f GiB (measured "
+        "%.2f GiB: requested %.2f, held by others %.2f, this engine's "
+        "non-KV %.2f GiB)",
+        ledger_key,
+        capacity / (1 << 30),
+        measured / (1 << 30),
+        requested_bytes / (1 << 30),
+        held_by_others / (1 << 30),
+        non_kv_bytes / (1 << 30),
+    )
+    return capacity
