@@ -25,6 +25,11 @@ Items (``--items``, comma-separated names or numbers; default: all):
   5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py);
                  end-to-end TTFT through a prefill and a decode server (bench_pd.py)
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
+  7 sharing      N engines on one device behind their own OpenAI servers, peaks at
+                 different times (scripts/bench_sharing.py): TTFT mean and p99 and tokens/s
+                 with a static split of the device (stock) vs VMM KV shared through the
+                 device ledger, and kvcached on the same vLLM where it is installed
+                 (--stock-path: a stock vLLM for the static and kvcached runs)
 
 Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
 
@@ -56,11 +61,12 @@ ROOT = SCRIPTS.parent
 sys.path.insert(0, str(SCRIPTS))
 
 from bench_items import (  # noqa: E402
-    Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_tp2_startup,
+    Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_sharing,
+    item_tp2_startup,
 )
 from bench_report import merge_item, render_results  # noqa: E402
 
-ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup"]
+ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup", "sharing"]
 GPU_MODELS = ["Qwen3-8B", "Llama-3.1-8B-Instruct"]
 
 # Sizes per mode. "est_child_s" is what one engine process is expected to take (start,
@@ -82,6 +88,8 @@ PROFILES: dict[str, dict] = {
                                "gpu_memory_utilization": 0.85, "enforce_eager": True}},
         "pagemap": {"backend": "cuda", "pages": 64, "repeats": 11, "invocations": 3},
         "est_child_s": 60, "est_serve_s": 75, "est_transfer_s": 40, "warmup": True,
+        "sharing": {"model": "Llama-3.1-8B-Instruct", "engines": 3, "repeats": 3,
+                    "timeout_s": 1800},
     },
     "cuda-quick": {
         "models": ["Llama-3.1-8B-Instruct"],
@@ -96,6 +104,8 @@ PROFILES: dict[str, dict] = {
                                "gpu_memory_utilization": 0.85, "enforce_eager": True}},
         "pagemap": {"backend": "cuda", "pages": 32, "repeats": 5, "invocations": 1},
         "est_child_s": 50, "est_serve_s": 75, "est_transfer_s": 40, "warmup": True,
+        "sharing": {"model": "Llama-3.1-8B-Instruct", "engines": 2, "repeats": 1,
+                    "timeout_s": 1200, "set": {"stagger_s": 15.0}},
     },
     "cpu": {
         "models": ["tiny-llama"],
@@ -112,6 +122,7 @@ PROFILES: dict[str, dict] = {
                                "distributed_executor_backend": "uni"}},
         "pagemap": {"backend": "host", "pages": 16, "repeats": 3, "invocations": 1},
         "est_child_s": 30, "est_serve_s": 40, "est_transfer_s": 20, "warmup": False,
+        "sharing": {"model": "tiny-llama", "engines": 2, "repeats": 1, "timeout_s": 900},
     },
 }
 
@@ -135,9 +146,11 @@ def parse_items(text: str) -> list[str]:
     chosen = []
     for word in text.split(","):
         word = word.strip()
-        name = ITEMS[int(word) - 1] if word.isdigit() and 1 <= int(word) <= 6 else word
+        number = word.isdigit() and 1 <= int(word) <= len(ITEMS)
+        name = ITEMS[int(word) - 1] if number else word
         if name not in ITEMS:
-            raise SystemExit(f"unknown item {word!r}; choose from 1-6 or {', '.join(ITEMS)}")
+            raise SystemExit(f"unknown item {word!r}; choose from 1-{len(ITEMS)} or "
+                             f"{', '.join(ITEMS)}")
         chosen.append(name)
     return chosen
 
@@ -146,7 +159,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--items", default=",".join(ITEMS), help="comma-separated names or 1-6")
+    p.add_argument("--items", default=",".join(ITEMS),
+                   help=f"comma-separated names or 1-{len(ITEMS)}")
     p.add_argument("--quick", action="store_true", help="small sizes, one repetition")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda when a GPU is visible")
@@ -165,6 +179,12 @@ def main() -> None:
                    "Llama-3.1-8B-Instruct on CUDA)")
     p.add_argument("--serve-tp", type=int, default=2,
                    help="tensor-parallel size of the server start item (default 2)")
+    p.add_argument("--stock-path", metavar="PATH",
+                   help="item 7: a PYTHONPATH entry whose vLLM is stock (same release), for "
+                   "the static-split and kvcached runs (default: the vLLM under test, "
+                   "default KV backend)")
+    p.add_argument("--kvcached-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="item 7: environment of the kvcached servers (repeatable)")
     args = p.parse_args()
     items = parse_items(args.items)
     budget = Budget(args.budget_s)
@@ -207,7 +227,7 @@ def main() -> None:
         if "not_measured" in value:
             print(f"{name}: not measured: {value['not_measured']}", flush=True)
 
-    engine_items = {"throughput", "startup", "elasticity", "tp2-startup"} & set(items)
+    engine_items = {"throughput", "startup", "elasticity", "tp2-startup", "sharing"} & set(items)
     if engine_items and not probe["has_vmm_kv"]:
         why = probe.get("vllm_error") or (
             "this vLLM has no --kv-cache-memory-backend: apply the series "
@@ -239,6 +259,9 @@ def main() -> None:
     if "tp2-startup" in engine_items:
         record("tp2-startup", item_tp2_startup(runner, prof, out, device, gpus,
                                                args.serve_tp, budget))
+    if "sharing" in engine_items:
+        record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
+                                       args.kvcached_env))
     # Every item of this run shares `info`: the suite's wall time goes into each one's run.
     info["suite_s"] = round(budget.elapsed(), 1)
     results_path.write_text(json.dumps(results, indent=1))

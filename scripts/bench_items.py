@@ -343,3 +343,46 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
     return {"model": prof["elastic"]["model"], "tensor_parallel_size": tp, "engine": engine,
             "health_s": summarize(runs["default"][:n], runs["vmm"][:n])}
 
+
+
+SHARING_SCRIPT = SCRIPTS / "bench_sharing.py"
+SHARING_STATS = ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "peaks_output_tok_s",
+                 "single_output_tok_s")
+
+
+def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path: str | None,
+                 kvcached_env: list[str]) -> dict:
+    """scripts/bench_sharing.py once per mode: N engines on one device behind their own
+    servers; static split (stock), shared VMM KV (this series), kvcached (if installed)."""
+    sharing = prof["sharing"]
+    model = model_dir(sharing["model"], out)
+    result: dict = {"model": sharing["model"], "engines": sharing["engines"], "modes": {}}
+    modes = ["static", "shared"] + (["kvcached"] if device == "cuda" else [])
+    for mode in modes:
+        js = out / f"sharing_{mode}.json"
+        log = runner.logs / f"sharing_{mode}.log"
+        cmd = [sys.executable, str(SHARING_SCRIPT), "--mode", mode, "--model", model,
+               "--engines", str(sharing["engines"]), "--device", device, "--repeats",
+               str(sharing["repeats"]), "--json", str(js), "--logs", str(runner.logs)]
+        if stock_path and mode != "shared":
+            cmd += ["--python-path", stock_path]
+        if mode == "kvcached":
+            cmd += [a for kv in kvcached_env for a in ("--env", kv)]
+        for key, value in sharing.get("set", {}).items():
+            cmd += ["--set", f"{key}={json.dumps(value)}"]
+        print(f"sharing: {mode}, {sharing['engines']} engines", flush=True)
+        js.unlink(missing_ok=True)
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=runner.env,
+                                timeout=sharing["timeout_s"]).returncode
+        if rc != 0 or not js.exists():
+            tail = log.read_text().strip().splitlines()[-1:] or [""]
+            result["modes"][mode] = {"not_measured": f"exit {rc}: {tail[0][:200]} "
+                                                     f"(logs/{log.name})"}
+            continue
+        r = json.loads(js.read_text())
+        result["modes"][mode] = {k: r[k] for k in SHARING_STATS} | {
+            "health_s": r["health_s"], "engine": r["engine"], "env": r["env"],
+            "python_path": r["python_path"]}
+        result["workload"] = r["profile"]
+    return result

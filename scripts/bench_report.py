@@ -31,8 +31,10 @@ TITLES = {
     "pagemap": "4. Page map cost (us per page)",
     "pd": "5. P/D over NIXL",
     "tp2-startup": "6. Server start, tensor parallel, to /health 200 (s)",
+    "sharing": "7. Engines sharing one device (peaks at different times)",
 }
-TARGETS = {"throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
+TARGETS = {"sharing-ttft": ("<=", 0.5), "sharing-single": (">=", 0.97),
+           "throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
            "pd-transfer": (">=", 0.9), "tp2-startup": ("<=", 1.1), "idle-ttft": ("<=", 1.1)}
 
 #: Key of item 1's first request after the engine went idle and (VMM) shrank.
@@ -167,6 +169,8 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                     f"not measured: {ttft['not_measured']}")
             else:
                 row(item, f"{name}: end-to-end TTFT (ms)", *_ab(ttft))
+        elif item == "sharing":
+            render_sharing(data, name, row, details, title)
         elif item == "tp2-startup":
             s = data["health_s"]
             row(item, f"{name}, {data['model']}, TP={data['tensor_parallel_size']}", *_ab(s),
@@ -183,6 +187,51 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                    f"{run['torch']}, Python {run['python']}, {run['cpu_count']} CPUs; "
                    f"`{run['command']}`{suite}")
     return "\n".join(out) + "\n"
+
+
+def _spread(s: dict) -> str:
+    return f"{_num(s['median'])} [{_num(s['min'])}..{_num(s['max'])}]"
+
+
+def render_sharing(data: dict, name: str, row, details: list[str], title: str) -> None:
+    """Item 7: static split (stock) as A, shared VMM KV as B, kvcached beside them."""
+    modes = data["modes"]
+    for mode, m in modes.items():
+        if "not_measured" in m:
+            details.append(f"- {title}: {mode} not measured: {m['not_measured']}.")
+    static, shared = modes.get("static", {}), modes.get("shared", {})
+    measured = "not_measured" not in static and "not_measured" not in shared
+    what = {"peaks_ttft_mean_ms": "peaks: TTFT mean (ms)",
+            "peaks_ttft_p99_ms": "peaks: TTFT p99 (ms)",
+            "peaks_output_tok_s": "peaks: output tokens/s",
+            "single_output_tok_s": "one engine busy: output tokens/s"}
+    target = {"peaks_ttft_mean_ms": "sharing-ttft", "single_output_tok_s": "sharing-single"}
+    for key, label in what.items():
+        if not measured:
+            continue
+        ratio = shared[key]["median"] / static[key]["median"]
+        verdict = (_verdict(target[key], ratio, data.get("run")) if key in target
+                   else ("", ""))
+        row("sharing", f"{name}, {data['engines']} x {data['model']}: {label}",
+            _spread(static[key]), _spread(shared[key]), f"{ratio:.3f}", *verdict)
+    kvc = modes.get("kvcached", {})
+    if measured and kvc and "not_measured" not in kvc:
+        parts = []
+        for key, label in what.items():
+            ratio = shared[key]["median"] / kvc[key]["median"]
+            parts.append(f"{label} {_spread(kvc[key])} (shared VMM / kvcached {ratio:.3f})")
+        details.append(f"- {title}, kvcached on the same host and vLLM: " + "; ".join(parts)
+                       + ".")
+    w = data.get("workload")
+    if w:
+        details.append(
+            f"- {title}: stock = static split of the device (`--gpu-memory-utilization` "
+            f"{w['share']}/N, or the CPU KV budget / N), VMM = every engine "
+            f"`--kv-cache-vmm-shared` with the whole share; per repetition every engine gets "
+            f"{w['background_rate']} req/s all along and in turn a peak of {w['peak_rate']} "
+            f"req/s for {w['peak_s']} s ({w['stagger_s']} s apart), {w['prompt_len']} tokens "
+            f"in / {w['output_len']} out; one engine busy: {w['single_num']} x "
+            f"{w['single_prompt_len']} in at once. Median [min..max] of the repetitions.")
 
 
 def render_doc_section(results: dict, rel: str, pending: bool = False) -> str:

@@ -24,15 +24,18 @@ def _free_port() -> int:
 
 class Server:
     """`vllm serve` in its own process group, so that its engine core and workers stop with
-    it; ``env`` adds to (or overrides) ``base_env``."""
+    it; ``env`` adds to (or overrides) ``base_env``; ``backend`` None leaves
+    --kv-cache-memory-backend out."""
 
-    def __init__(self, model: str, backend: str, engine: dict, log: Path, base_env: dict,
-                 env: dict | None = None, tp: int = 1) -> None:
+    def __init__(self, model: str, backend: str | None, engine: dict, log: Path,
+                 base_env: dict, env: dict | None = None, tp: int = 1) -> None:
         self.port = _free_port()
         self.log = log
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(self.port),
-               "--tensor-parallel-size", str(tp), "--kv-cache-memory-backend", backend]
+               "--tensor-parallel-size", str(tp)]
+        if backend is not None:  # None: a vLLM without the option (stock) runs too
+            cmd += ["--kv-cache-memory-backend", backend]
         for key, value in engine.items():
             flag = "--" + key.replace("_", "-")
             if value is True:
