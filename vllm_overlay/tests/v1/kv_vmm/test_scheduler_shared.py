@@ -175,3 +175,48 @@ def find(ledger: KVMemoryLedger, name: str):
 
 def find_id(ledger: KVMemoryLedger, name: str) -> str:
     return find(ledger, name).id
+
+
+def test_a_busy_engine_gives_its_peak_memory_back_after_the_delay(ledger_dir):
+    options = dict(devices={"host": PAGE}, capacity_bytes=12 * PAGE)
+    a, status_a = make_pool(
+        num_blocks=64, num_ranks=1, ledger=KVLedgerOptions(**options, name="a")
+    )
+    b, status_b = make_pool(
+        num_blocks=64, num_ranks=1, ledger=KVLedgerOptions(**options, name="b")
+    )
+    a.policy.shrink_delay_s = b.policy.shrink_delay_s = 2.0
+    ledger = KVMemoryLedger("host")
+    # a's peak takes every page the ledger lets it have.
+    held = []
+    for _ in range(6):
+        held += a.get_new_blocks(a.free_block_queue.num_free_blocks)
+        ops = a.take_page_ops()
+        if ops is not None:
+            status_a.report(ops.ahead, [])
+        a.get_num_free_blocks()
+    assert find(ledger, "a").mapped_bytes == 9 * PAGE  # 12 less b's floor of 3
+    # The peak ends; one request (on pages 1 and 2) keeps the engine busy.
+    trickle = [blk for blk in held if blk.block_id // BPP in (1, 2)]
+    a.free_blocks([blk for blk in held if blk.block_id // BPP not in (1, 2)])
+    assert not a.idle
+    b.get_new_blocks(b.free_block_queue.num_free_blocks)
+    b.clock.now += 1
+    assert b.get_num_free_blocks() == 0  # nothing free on the device
+    # Free pages beyond a step's worth (8 blocks: 2 pages) go back only once
+    # they stayed free for the shrink delay, although a is not idle.
+    assert a.take_page_ops() is None
+    a.clock.now += 1.9
+    assert a.take_page_ops() is None
+    a.clock.now += 0.2
+    ops = a.take_page_ops()
+    assert sorted(ops.unmap) == [5, 6, 7, 8]
+    assert a.num_mapped_pages == 5  # null block's, the trickle's two, two ahead
+    assert a.free_block_queue.num_free_blocks >= a.policy.ahead_blocks
+    assert find(ledger, "a").mapped_bytes == 5 * PAGE
+    # b's peak maps what a gave back.
+    b.clock.now += 1
+    assert b.get_num_free_blocks() == 4 * BPP
+    a.free_blocks(trickle)
+    a.close()
+    b.close()

@@ -174,6 +174,9 @@ class PagedBlockPool(BlockPool):
         # instead of mapping them again on their critical path.
         self.clock: Callable[[], float] = time.monotonic
         self._idle_since: float | None = None
+        # With a device ledger, free pages beyond a step's worth are given
+        # back after the same delay while requests run (_busy_trim_due).
+        self._surplus_since: float | None = None
         # Rebuild the free queue from the initially mapped pages only; the
         # null block (block 0) was popped by the base class and its page is
         # one of them, mapped on every rank at startup.
@@ -419,12 +422,15 @@ class PagedBlockPool(BlockPool):
             # Keep the lowest free pages as headroom: pages stay compact.
             free = self._free_pages()
             self._unmap(free[: max(len(free) - policy.headroom_pages, 0)])
+        elif self._busy_trim_due():
+            self._unmap(self._surplus_pages())
+            self._surplus_since = None
         # While requests run, a step's worth of blocks stays mapped ahead; an
         # idle pool keeps only the headroom (and gives the rest back after
         # the shrink delay).
         ahead = policy.headroom_pages * policy.blocks_per_page
         if not self.idle:
-            ahead = max(ahead, policy.ahead_blocks)
+            ahead = self._ahead_target()
         coming = sum(len(self._page_blocks(p)) for p in self._inflight)
         short = ahead - self.free_block_queue.num_free_blocks - coming
         # The refill follows demand: what this step handed out, a page's
@@ -490,6 +496,46 @@ class PagedBlockPool(BlockPool):
         ):
             return None
         return max(self.policy.shrink_delay_s - (now - self._idle_since), 0.0)
+
+    def _ahead_target(self) -> int:
+        """Free blocks kept mapped while requests run: a step's worth."""
+        policy = self.policy
+        return max(policy.headroom_pages * policy.blocks_per_page, policy.ahead_blocks)
+
+    def _busy_trim_due(self) -> bool:
+        """With a device ledger, while requests run: whether free pages
+        beyond a step's worth ahead have been free for the shrink delay.
+
+        An engine that stays busy (a trickle of requests after its peak)
+        would otherwise keep its peak's memory until it goes idle, and the
+        other engines on the device could not use it. The check is cheap
+        (free block count); the pages are looked for only once it is due.
+        """
+        policy = self.policy
+        if self._share is None or policy.shrink != "idle" or self.idle:
+            self._surplus_since = None
+            return False
+        spare = self.free_block_queue.num_free_blocks - self._ahead_target()
+        if spare < policy.blocks_per_page:
+            self._surplus_since = None
+            return False
+        now = self.clock()
+        if self._surplus_since is None:
+            self._surplus_since = now
+        return now - self._surplus_since >= policy.shrink_delay_s
+
+    def _surplus_pages(self) -> list[int]:
+        """Free pages (highest first) whose blocks the pool can spare while
+        keeping a step's worth of free blocks mapped."""
+        spare = self.free_block_queue.num_free_blocks - self._ahead_target()
+        pages = []
+        for page in self._free_pages():
+            num_blocks = len(self._page_blocks(page))
+            if spare < num_blocks:
+                break
+            pages.append(page)
+            spare -= num_blocks
+        return pages
 
     def _shrink_to_limit(self) -> None:
         # Give back free pages, cached prefix blocks on them included; pages
