@@ -224,9 +224,12 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
                        + ".")
     w = data.get("workload")
     if w:
+        stock = ("stock vLLM from `--stock-path`" if static.get("python_path")
+                 else "the default KV backend")
         details.append(
-            f"- {title}: stock = static split of the device (`--gpu-memory-utilization` "
-            f"{w['share']}/N, or the CPU KV budget / N), VMM = every engine "
+            f"- {title}: stock = {stock}, the device split statically "
+            f"(`--gpu-memory-utilization` {w['share']}/N, or the CPU KV budget / N), "
+            "VMM = every engine "
             f"`--kv-cache-vmm-shared` with the whole share; per repetition every engine gets "
             f"{w['background_rate']} req/s all along and in turn a peak of {w['peak_rate']} "
             f"req/s for {w['peak_s']} s ({w['stagger_s']} s apart), {w['prompt_len']} tokens "
