@@ -32,10 +32,11 @@ def _prompts() -> list[list[int]]:
 def _llm(model: Path, backend: str = "vmm", **kwargs):
     from vllm import LLM
 
+    options = {"max_num_seqs": 8, "max_num_batched_tokens": 8192, **kwargs}
     return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
-               kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8192,
-               enable_prefix_caching=True, kv_cache_memory_backend=backend, **kwargs)
+               enforce_eager=True, max_model_len=1024, seed=0,
+               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
+               kv_cache_memory_backend=backend, **options)
 
 
 def _generate(llm) -> list[list[int]]:
@@ -164,3 +165,72 @@ def test_two_engines_share_the_host_ledger(kv_model, reference_ids, ledger_dir):
 
 def _page_bytes(worker) -> int:
     return worker.model_runner.kv_page_mapper.policy.page_bytes
+
+
+
+def test_busy_engine_gives_back_its_peak(kv_model, ledger_dir, monkeypatch):
+    # A burst of long prompts maps most of the engine's 16 pages (16 blocks of 128 tokens
+    # each); one long request (the trickle) keeps the engine busy after it. A step's worth of
+    # free blocks stays mapped (8 blocks for 1024 batched tokens, one per sequence: 2 pages); the
+    # rest goes back to the ledger once it stayed free for the shrink delay, while the trickle
+    # still runs (before, only an idle engine gave memory back).
+    from vllm import SamplingParams
+
+    t0 = time.monotonic()
+    a = _llm(kv_model, kv_cache_vmm_shared=True, kv_cache_vmm_shrink_delay=0.5,
+             max_num_seqs=13, max_num_batched_tokens=1024)
+    print("startup", time.monotonic() - t0)
+    try:
+        (page,) = set(a.collective_rpc(_page_bytes))
+        (name,) = _entries(ledger_dir)
+        engine = a.llm_engine
+        # When the engine core produced each output (time.monotonic: the host's clock).
+        produced: list[float] = []
+        get_output = engine.engine_core.get_output
+
+        def stamped():
+            outputs = get_output()
+            produced.append(outputs.timestamp)
+            return outputs
+
+        monkeypatch.setattr(engine.engine_core, "get_output", stamped)
+        ids: dict[str, list[int]] = {}
+        finished: set[str] = set()
+
+        def step() -> int:
+            for out in engine.step():
+                ids[out.request_id] = list(out.outputs[0].token_ids)
+                if out.finished:
+                    finished.add(out.request_id)
+            return _entries(ledger_dir)[name]["mapped_bytes"]
+
+        greedy = dict(temperature=0.0, detokenize=False, ignore_eos=True)
+        engine.add_request("trickle", {"prompt_token_ids": list(range(1, 9))},
+                           SamplingParams(max_tokens=1000, **greedy))
+        burst = {f"burst-{i}": [(11 * i + 5 * j) % 4000 + 1 for j in range(960)]
+                 for i in range(12)}
+        for request_id, prompt in burst.items():
+            engine.add_request(request_id, {"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=16, **greedy))
+        peak = 0
+        t1 = time.monotonic()
+        while not finished >= set(burst):
+            peak = max(peak, step())
+        print("burst", time.monotonic() - t1, peak / page, len(ids["trickle"]))
+
+        # The trickle runs on; the burst's pages go back after the shrink delay.
+        deadline = time.monotonic() + 30
+        t1 = time.monotonic()
+        while (mapped := step()) > peak - 4 * page:
+            assert "trickle" not in finished, f"kept {mapped // page} of {peak // page} pages"
+            assert time.monotonic() < deadline
+        seen = time.monotonic()
+        print("trim after", seen - t1, mapped / page, len(ids["trickle"]))
+        # ... while the trickle was still running: the engine core produced an output after
+        # that reading, and the trickle had not finished.
+        while produced[-1] <= seen and "trickle" not in finished:
+            step()
+        assert "trickle" not in finished
+        engine.abort_request(["trickle"])
+    finally:
+        _shutdown(a)
