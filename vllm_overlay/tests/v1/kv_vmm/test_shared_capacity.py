@@ -62,7 +62,10 @@ def test_request_without_free_memory_check():
     # (stock vLLM refuses to start).
     assert shared_kv_memory_request(snapshot, _cache_config()) == 72 * GiB
     # Without sharing (or without VMM) vLLM's own request applies.
-    assert shared_kv_memory_request(snapshot, _cache_config(kv_cache_vmm_shared=False)) is None
+    assert (
+        shared_kv_memory_request(snapshot, _cache_config(kv_cache_vmm_shared=False))
+        is None
+    )
     assert (
         shared_kv_memory_request(
             snapshot, _cache_config(kv_cache_memory_backend="default")

@@ -211,9 +211,7 @@ class KVMemoryLedger:
             state.entries = [
                 e for e in state.entries if process_alive(e.pid, e.start_time)
             ]
-            if state.measured_by is not None and not process_alive(
-                *state.measured_by
-            ):
+            if state.measured_by is not None and not process_alive(*state.measured_by):
                 state.measured_by = None
             yield state
             if (

@@ -411,10 +411,9 @@ def map_kv_pages_ahead(model_runner: Any, scheduler_output: Any) -> None:
 
 
 def _sharing(cache_config: Any) -> bool:
-    return (
-        getattr(cache_config, "kv_cache_memory_backend", "default") == "vmm"
-        and getattr(cache_config, "kv_cache_vmm_shared", False)
-    )
+    return getattr(
+        cache_config, "kv_cache_memory_backend", "default"
+    ) == "vmm" and getattr(cache_config, "kv_cache_vmm_shared", False)
 
 
 def shared_kv_memory_request(init_snapshot: Any, cache_config: Any) -> int | None:
