@@ -168,7 +168,7 @@ def _page_bytes(worker) -> int:
 
 
 
-def test_busy_engine_gives_back_its_peak(kv_model, ledger_dir, monkeypatch):
+def test_busy_engine_gives_back_its_peak(tmp_path, ledger_dir, monkeypatch):
     # A burst of long prompts maps most of the engine's 16 pages (16 blocks of 128 tokens
     # each); one long request (the trickle) keeps the engine busy after it. A step's worth of
     # free blocks stays mapped (8 blocks for 1024 batched tokens, one per sequence: 2 pages); the
@@ -176,9 +176,13 @@ def test_busy_engine_gives_back_its_peak(kv_model, ledger_dir, monkeypatch):
     # still runs (before, only an idle engine gave memory back).
     from vllm import SamplingParams
 
+    from tiny_model import make_tiny_model
+
     t0 = time.monotonic()
-    a = _llm(kv_model, kv_cache_vmm_shared=True, kv_cache_vmm_shrink_delay=0.5,
-             max_num_seqs=13, max_num_batched_tokens=1024)
+    model = make_tiny_model(tmp_path / "tiny-llama", num_attention_heads=8,
+                            num_key_value_heads=8, head_dim=128)
+    a = _llm(model, kv_cache_vmm_shared=True, kv_cache_vmm_shrink_delay=0.5,
+             max_num_seqs=4, max_num_batched_tokens=256)
     print("startup", time.monotonic() - t0)
     try:
         (page,) = set(a.collective_rpc(_page_bytes))
@@ -207,8 +211,8 @@ def test_busy_engine_gives_back_its_peak(kv_model, ledger_dir, monkeypatch):
         greedy = dict(temperature=0.0, detokenize=False, ignore_eos=True)
         engine.add_request("trickle", {"prompt_token_ids": list(range(1, 9))},
                            SamplingParams(max_tokens=1000, **greedy))
-        burst = {f"burst-{i}": [(11 * i + 5 * j) % 4000 + 1 for j in range(960)]
-                 for i in range(12)}
+        burst = {f"burst-{i}": [(11 * i + 5 * j) % 4000 + 1 for j in range(1000)]
+                 for i in range(3)}
         for request_id, prompt in burst.items():
             engine.add_request(request_id, {"prompt_token_ids": prompt},
                                SamplingParams(max_tokens=16, **greedy))

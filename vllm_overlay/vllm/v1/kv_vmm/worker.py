@@ -448,7 +448,7 @@ def shared_kv_memory_request(init_snapshot: Any, cache_config: Any) -> int | Non
 
 def measure_shared_kv_capacity(
     cache_config: Any,
-    device: torch.device,
+    device: torch.device | None,
     total_bytes: int,
     init_free_bytes: int,
     requested_bytes: int,
@@ -468,7 +468,7 @@ def measure_shared_kv_capacity(
     measurement is the one that counts. Like vLLM's profile, it assumes
     the other processes did not change their memory while it ran.
     """
-    if not _sharing(cache_config):
+    if not _sharing(cache_config) or device is None:
         return None
     if getattr(cache_config, "kv_cache_vmm_shared_bytes", None) is not None:
         return None
