@@ -78,7 +78,8 @@ def test_later_engines_see_weights_not_idle_kv(device_ledger):
     config = _cache_config()
     # The first engine alone: 72 GiB requested, 0.5 GiB held at startup
     # (its CUDA context), 17 GiB of its own non-KV memory.
-    assert _measure(config, init_free=79.5 * GiB, non_kv=17 * GiB) == int(54.5 * GiB)
+    measured = _measure(config, init_free=int(79.5 * GiB), non_kv=17 * GiB)
+    assert measured == int(54.5 * GiB)
     a = device_ledger.join(1 * GiB, "a", mapped_bytes=2 * GiB)
     # The first engine keeps the measured capacity, not its own budget.
     assert device_ledger.read().capacity_bytes == int(54.5 * GiB)
