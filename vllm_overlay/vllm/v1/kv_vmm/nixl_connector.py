@@ -191,7 +191,9 @@ class NixlVmmWorker:
         registry, so its checks run first under the page table's lock) and
         get ready to read same-host peers' chunks."""
         assert self.page_table is not None
-        name = str(self.agent.name)
+        name = getattr(self.agent, "name", None)
+        if not isinstance(name, str):
+            return  # an agent without a name cannot be found by peers
         try:
             self.exporter = ChunkExporter(channel_address(name))
             self.exporter.attach(self.page_table)

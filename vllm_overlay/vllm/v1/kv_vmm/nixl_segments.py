@@ -83,7 +83,7 @@ class NixlSegmentRegistry:
         self._tables: list[KVPageTable] = []
         # State of a transfer handle without side effects (the agent's
         # check_xfer_state unless the XferAgent runs transfers of its own).
-        self.xfer_state: Callable[[Any], str] = agent.check_xfer_state
+        self.xfer_state: Callable[[Any], str] | None = None
 
     def attach(self, table: KVPageTable) -> None:
         """Register what ``table`` has mapped and follow its later changes.
@@ -198,11 +198,8 @@ class NixlSegmentRegistry:
 
     def _busy(self, ranges: list[tuple[int, int]]) -> list[Any]:
         """Transfers in flight that touch ``ranges``."""
-        return [
-            h
-            for h in self._touching(ranges)
-            if self.xfer_state(h) == _IN_FLIGHT
-        ]
+        state = self.xfer_state or self.agent.check_xfer_state
+        return [h for h in self._touching(ranges) if state(h) == _IN_FLIGHT]
 
     def _busy_error(self, segment_id: int, num_busy: int) -> VmmError:
         return VmmError(
