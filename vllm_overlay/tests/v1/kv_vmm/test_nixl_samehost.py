@@ -427,14 +427,15 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
         sides.append((backend, table, agent, xfer))
     (_, p_table, p_agent, p_xfer), (_, d_table, d_agent, d_xfer) = sides
     try:
-        d_agent.add_remote_agent(p_agent.get_agent_metadata())
+        # The connector names remote agents as add_remote_agent returns them.
+        p_name = d_agent.add_remote_agent(p_agent.get_agent_metadata())
         p_agent.add_remote_agent(d_agent.get_agent_metadata())
-        workers[1].add_peer(p_agent.name, "tcp://127.0.0.1:1", b"")
-        assert workers[1].same_host.importer(p_agent.name).alive
+        workers[1].add_peer(p_name, "tcp://127.0.0.1:1", b"")
+        assert workers[1].same_host.importer(p_name).alive
         for b in range(16):
             _fill(p_table, b, 3 * b + 1)
         p_base, d_base = p_table.tensors[0].data_ptr(), d_table.tensors[0].data_ptr()
-        remote = d_xfer.prep_xfer_dlist(p_agent.name, _rows(p_base, range(NUM_BLOCKS)))
+        remote = d_xfer.prep_xfer_dlist(p_name, _rows(p_base, range(NUM_BLOCKS)))
         local = d_xfer.prep_xfer_dlist("NIXL_INIT_AGENT",
                                        _rows(d_base, range(NUM_BLOCKS)))
         _wait(lambda: workers[1].same_host.importer(p_agent.name).num_mapped == 2)

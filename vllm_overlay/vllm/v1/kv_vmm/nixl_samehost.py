@@ -128,8 +128,11 @@ def host_identity() -> tuple[str, str]:
     return boot_id, socket.gethostname()
 
 
-def channel_address(agent_name: str) -> str:
-    """The abstract Unix socket a producer's agent listens on."""
+def channel_address(agent_name: str | bytes) -> str:
+    """The abstract Unix socket a producer's agent listens on (NIXL names
+    remote agents in bytes, its own in str: both give the same address)."""
+    if isinstance(agent_name, bytes):
+        agent_name = agent_name.decode()
     return "\0" + CHANNEL_PREFIX + agent_name
 
 
@@ -838,6 +841,10 @@ class SameHostXfer:
         )
 
 
+def _key(agent_name: str | bytes) -> str:
+    return agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+
+
 class SameHostReads:
     """A reader's same-host channels, one per producer agent, and the reads
     that run over them.
@@ -870,35 +877,36 @@ class SameHostReads:
         """Open the channel to a producer agent (after a handshake with it);
         False, with a warning naming the reason once, if it cannot be."""
         with self._lock:
-            current = self._importers.get(agent_name)
+            current = self._importers.get(_key(agent_name))
             if current is not None and current.alive:
                 return True
         try:
             importer = ChunkImporter(
                 self.address_of(agent_name), self.memory, self.name, self.identity
             )
-        except SameHostUnavailable as e:
+        except Exception as e:
+            # Never fails the handshake: NIXL/UCX reads work without it.
             with self._lock:
-                first = self._unavailable.get(agent_name) != str(e)
-                self._unavailable[agent_name] = str(e)
+                first = self._unavailable.get(_key(agent_name)) != str(e)
+                self._unavailable[_key(agent_name)] = str(e)
             if first:
                 logger.warning(
                     "KV reads from %s go through NIXL/UCX: %s", agent_name, e
                 )
             return False
         with self._lock:
-            self._importers[agent_name] = importer
-            self._unavailable.pop(agent_name, None)
+            self._importers[_key(agent_name)] = importer
+            self._unavailable.pop(_key(agent_name), None)
         logger.info("KV reads from %s use the same-host path", agent_name)
         return True
 
     def importer(self, agent_name: str) -> ChunkImporter | None:
         with self._lock:
-            return self._importers.get(agent_name)
+            return self._importers.get(_key(agent_name))
 
     def disconnect(self, agent_name: str) -> None:
         with self._lock:
-            importer = self._importers.pop(agent_name, None)
+            importer = self._importers.pop(_key(agent_name), None)
         if importer is not None:
             importer.close()
 
