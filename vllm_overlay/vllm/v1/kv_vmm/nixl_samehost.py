@@ -27,9 +27,10 @@ another host) logs the reason once and reads through NIXL/UCX as before.
 
 Lifetime rule. Hole-punching a memfd extent frees its pages even while
 another process maps them (the reader would then read zeros, or the owner's
-next use of the extent), and a CUDA allocation's memory is only kept by the
-importer's handle, not protected against the owner's reuse semantics. So the
-owner never gives a chunk back while a peer maps it:
+next use of the extent); on CUDA an importer's handle keeps the allocation
+alive after the owner releases it, so memory the owner counts as given back
+would stay in use, holding blocks the owner no longer has. So the owner never
+gives a chunk back while a peer maps it:
 
 1. ``wait_before_unmap`` (outside the page table's lock) sends ``drop`` for
    the chunks of the segments to every peer that holds them and waits until
@@ -79,7 +80,7 @@ CHANNEL_PREFIX = "vllm-kv-vmm-same-host/"
 #: File descriptors per message (the kernel's limit is 253).
 MAX_FDS_PER_MESSAGE = 64
 _MAX_MESSAGE = 1 << 20
-_CONNECT_TIMEOUT_S = 2.0
+_CONNECT_TIMEOUT_S = 10.0
 _SEND_TIMEOUT_S = 5.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
