@@ -63,7 +63,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -145,7 +145,7 @@ class SameHostFdLimitError(VmmError):
     """The process ran out of file descriptors while receiving chunks."""
 
 
-def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+def _send(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
     data = json.dumps(msg).encode()
     if fds:
         socket.send_fds(sock, [data], list(fds))
@@ -415,8 +415,10 @@ class ChunkExporter:
             with self._lock:
                 if peer.closed:
                     return
+                # Not the ones an unmap is taking back (it may not have
+                # asked this peer: it did not hold them yet).
                 chunks = [(i, self._chunks.get(i)) for i in batch]
-                chunks = [(i, c) for i, c in chunks if c is not None]
+                chunks = [(i, c) for i, c in chunks if c is not None and not c.retiring]
                 # Counted before sending: a partial send leaves the peer
                 # holding at most these.
                 peer.held.update(i for i, _ in chunks)
@@ -427,8 +429,8 @@ class ChunkExporter:
                     fds.append(fd)
                     rows.append([i, c.va, c.nbytes, offset])
                 _send(peer.sock, {"op": "add", "chunks": rows, "nfds": len(fds)}, fds)
-            except OSError as e:
-                if e.errno == errno.EMFILE:
+            except (OSError, VmmError) as e:
+                if isinstance(e, OSError) and e.errno == errno.EMFILE:
                     e = SameHostFdLimitError(
                         f"exporting {len(chunks)} KV chunks to {peer.name}: out of "
                         f"file descriptors (RLIMIT_NOFILE={_nofile_limit()})"
