@@ -56,8 +56,9 @@ def _fill(table, block, value, block_bytes=BLOCK):
 
 
 def _rows(base, blocks, block_bytes=BLOCK):
-    return np.array([(base + b * block_bytes, block_bytes, 0) for b in blocks],
-                    dtype=np.uint64)
+    return np.array(
+        [(base + b * block_bytes, block_bytes, 0) for b in blocks], dtype=np.uint64
+    )
 
 
 def _wait(cond, timeout=10.0):
@@ -107,8 +108,11 @@ def test_coalesce_merges_adjacent_rows_on_both_sides():
     runs = coalesce(dst, src, n)
     # 0<-50 and 100<-150 merge; 1000<-250 follows 100<-150 in the source
     # but not in the destination; 200<-400 stands alone.
-    assert sorted(map(tuple, runs.tolist())) == [(0, 50, 200), (200, 400, 100),
-                                                 (1000, 250, 100)]
+    assert sorted(map(tuple, runs.tolist())) == [
+        (0, 50, 200),
+        (200, 400, 100),
+        (1000, 250, 100),
+    ]
 
 
 def test_reader_maps_shared_chunks_and_copies_them(producer):
@@ -130,13 +134,14 @@ def test_reader_maps_shared_chunks_and_copies_them(producer):
         dst = np.zeros(5 * BLOCK, dtype=np.uint8)
         base = table.tensors[0].data_ptr()
         blocks = [16, 17, 18, 9, 2]
-        xfer = reads.make_read(name, _rows(dst.ctypes.data, range(5)),
-                               _rows(base, blocks), b"req-1")
+        xfer = reads.make_read(
+            name, _rows(dst.ctypes.data, range(5)), _rows(base, blocks), b"req-1"
+        )
         # 16, 17, 18 are adjacent on both sides: one copy.
         assert len(xfer.runs) == 3
         before = same_host_stats()
         assert reads.transfer(xfer) in ("PROC", "DONE")
-        notifs = []
+        notifs: list[tuple[str, bytes]] = []
         assert _finish(reads, xfer, notifs) == "DONE"
         assert notifs == [(name, b"req-1")]
         for i, b in enumerate(blocks):
@@ -148,8 +153,10 @@ def test_reader_maps_shared_chunks_and_copies_them(producer):
         assert after["bytes"] == before["bytes"] + 5 * BLOCK
         reads.release(xfer)
         # A block on a page not mapped: not shared, the read goes to NIXL.
-        assert reads.make_read(name, _rows(dst.ctypes.data, [0]),
-                               _rows(base, [40]), b"") is None
+        assert (
+            reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [40]), b"")
+            is None
+        )
     finally:
         reads.close()
     _wait(lambda: exporter.num_peers == 0)
@@ -189,8 +196,10 @@ def test_owner_gives_a_chunk_back_only_after_the_reader_dropped_it():
         # The dropped chunk is no longer readable through the channel.
         base = table.tensors[0].data_ptr()
         dst = np.zeros(BLOCK, dtype=np.uint8)
-        assert reads.make_read(name, _rows(dst.ctypes.data, [0]),
-                               _rows(base, [3]), b"") is None
+        assert (
+            reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [3]), b"")
+            is None
+        )
         # The same extent is reused for a new segment: shared anew.
         table.map_pages([2])
         _wait(lambda: importer.num_mapped == 2)
@@ -212,8 +221,12 @@ def test_unmap_waits_for_a_read_in_flight_and_is_refused_after_the_timeout(produ
         assert reads.connect(name)
         _wait(lambda: reads.importer(name).num_mapped == 1)
         dst = np.zeros(BLOCK, dtype=np.uint8)
-        xfer = reads.make_read(name, _rows(dst.ctypes.data, [0]),
-                               _rows(table.tensors[0].data_ptr(), [1]), b"")
+        xfer = reads.make_read(
+            name,
+            _rows(dst.ctypes.data, [0]),
+            _rows(table.tensors[0].data_ptr(), [1]),
+            b"",
+        )
         reads.transfer(xfer)
         assert memory.copying.wait(10)
         with pytest.raises(VmmError, match="still map"):
@@ -239,18 +252,27 @@ def test_channel_that_cannot_open_falls_back_with_the_reason(producer, caplog):
         assert not reads.connect(f"absent-{uuid.uuid4()}")
     assert "go through NIXL/UCX" in caplog.text
     assert "Connection refused" in caplog.text
-    assert reads.make_read("absent", np.zeros((1, 3), np.uint64),
-                           np.zeros((1, 3), np.uint64), b"") is None
+    assert (
+        reads.make_read(
+            "absent", np.zeros((1, 3), np.uint64), np.zeros((1, 3), np.uint64), b""
+        )
+        is None
+    )
     # Another host (another boot id): refused by both sides.
     with pytest.raises(SameHostUnavailable, match="not this host"):
-        ChunkImporter(channel_address(name), HostChunkMemory(),
-                      identity=("another-boot-id", "elsewhere"))
+        ChunkImporter(
+            channel_address(name),
+            HostChunkMemory(),
+            identity=("another-boot-id", "elsewhere"),
+        )
 
 
 _PYTHON_PRELUDE = textwrap.dedent("""
     import os, sys, time, signal, uuid
     import numpy as np, torch
-    from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
+    from vllm.v1.kv_vmm import (
+        HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout,
+    )
     from vllm.v1.kv_vmm.nixl_samehost import *
     BLOCK = 256 * 1024
 """)
@@ -259,7 +281,9 @@ _PYTHON_PRELUDE = textwrap.dedent("""
 def _child(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", _PYTHON_PRELUDE + textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
     )
 
@@ -267,6 +291,7 @@ def _child(code: str, *args: str) -> subprocess.Popen:
 def _readline(proc: subprocess.Popen, want: str, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     lines = []
+    assert proc.stdout is not None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -280,14 +305,17 @@ def _readline(proc: subprocess.Popen, want: str, timeout: float = 60) -> str:
 def test_a_reader_that_dies_counts_as_having_dropped(producer):
     name, _, table, exporter = producer
     table.map_pages([0, 1, 2])
-    child = _child("""
+    child = _child(
+        """
         reads = SameHostReads(HostChunkMemory(), "doomed")
         assert reads.connect(sys.argv[1])
         while reads.importer(sys.argv[1]).num_mapped < 3:
             time.sleep(0.01)
         print("MAPPED", flush=True)
         time.sleep(600)
-    """, name)
+    """,
+        name,
+    )
     try:
         _readline(child, "MAPPED")
         assert exporter.held_by_peers() == 3
@@ -306,7 +334,8 @@ def test_a_reader_that_dies_before_importing_holds_nothing_up(producer):
     chunks sent to it: they count as held until its socket closes."""
     name, _, table, exporter = producer
     table.map_pages([0, 1])
-    child = _child("""
+    child = _child(
+        """
         import json, socket
         from vllm.v1.kv_vmm.nixl_samehost import _send, host_identity
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -316,7 +345,9 @@ def test_a_reader_that_dies_before_importing_holds_nothing_up(producer):
                   "name": "silent"})
         print("CONNECTED", flush=True)
         time.sleep(600)
-    """, name)
+    """,
+        name,
+    )
     try:
         _readline(child, "CONNECTED")
         _wait(lambda: exporter.held_by_peers() == 2)
@@ -330,7 +361,8 @@ def test_a_reader_that_dies_before_importing_holds_nothing_up(producer):
 
 def test_a_producer_that_dies_mid_read_fails_the_read():
     name = f"p-{uuid.uuid4()}"
-    child = _child("""
+    child = _child(
+        """
         backend = HostVmmBackend()
         geometry = KVPageGeometry([KVTensorLayout(block_bytes=BLOCK, num_regions=1)],
                                   num_blocks=64, granularity=backend.granularity)
@@ -341,7 +373,9 @@ def test_a_producer_that_dies_mid_read_fails_the_read():
         exporter.attach(table)
         print("BASE", table.tensors[0].data_ptr(), flush=True)
         time.sleep(600)
-    """, name)
+    """,
+        name,
+    )
     memory = GatedMemory()
     reads = SameHostReads(memory)
     try:
@@ -350,8 +384,9 @@ def test_a_producer_that_dies_mid_read_fails_the_read():
         importer = reads.importer(name)
         _wait(lambda: importer.num_mapped == 1)
         dst = np.zeros(BLOCK, dtype=np.uint8)
-        xfer = reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [0]),
-                               b"req")
+        xfer = reads.make_read(
+            name, _rows(dst.ctypes.data, [0]), _rows(base, [0]), b"req"
+        )
         reads.transfer(xfer)
         assert memory.copying.wait(10)
         child.send_signal(signal.SIGKILL)
@@ -361,14 +396,16 @@ def test_a_producer_that_dies_mid_read_fails_the_read():
         # that pinned it ends (the mapping keeps the memory: no freed reads).
         assert importer.num_mapped == 1
         memory.gate.set()
-        notifs = []
+        notifs: list[tuple[str, bytes]] = []
         assert _finish(reads, xfer, notifs) == "ERR"
         assert notifs == []
         reads.release(xfer)
         _wait(lambda: importer.num_mapped == 0)
         # Later reads from it go through NIXL (whose failure policy applies).
-        assert reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [0]),
-                               b"") is None
+        assert (
+            reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [0]), b"")
+            is None
+        )
     finally:
         memory.gate.set()
         child.kill()
@@ -378,7 +415,8 @@ def test_a_producer_that_dies_mid_read_fails_the_read():
 def test_a_reader_out_of_file_descriptors_detaches_with_a_clear_error(producer):
     name, _, table, exporter = producer
     table.map_pages(range(8))  # 8 chunks in one message
-    child = _child("""
+    child = _child(
+        """
         import resource
         # Room for the socket and two more: not for the eight chunks' fds.
         n = len(os.listdir("/proc/self/fd"))
@@ -390,7 +428,9 @@ def test_a_reader_out_of_file_descriptors_detaches_with_a_clear_error(producer):
         while importer.alive:
             time.sleep(0.01)
         print("DETACHED", importer.num_mapped, repr(importer.error), flush=True)
-    """, name)
+    """,
+        name,
+    )
     try:
         line = _readline(child, "DETACHED")
         assert "DETACHED 0 SameHostFdLimitError" in line, line
@@ -418,7 +458,9 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
     for role in ("prefill", "decode"):
         backend, table = _table()
         table.map_pages([0, 1])
-        agent = nixl_agent(f"{role}-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+        agent = nixl_agent(
+            f"{role}-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"])
+        )
         worker = NixlVmmWorker(agent)
         worker.page_table = table
         base = table.tensors[0].data_ptr()
@@ -436,13 +478,15 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
             _fill(p_table, b, 3 * b + 1)
         p_base, d_base = p_table.tensors[0].data_ptr(), d_table.tensors[0].data_ptr()
         remote = d_xfer.prep_xfer_dlist(p_name, _rows(p_base, range(NUM_BLOCKS)))
-        local = d_xfer.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                       _rows(d_base, range(NUM_BLOCKS)))
+        local = d_xfer.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _rows(d_base, range(NUM_BLOCKS))
+        )
         _wait(lambda: workers[1].same_host.importer(p_agent.name).num_mapped == 2)
 
         before = same_host_stats()
-        handle = d_xfer.make_prepped_xfer("READ", local, [0, 1, 2, 3],
-                                          remote, [12, 13, 14, 15], notif_msg=b"done-1")
+        handle = d_xfer.make_prepped_xfer(
+            "READ", local, [0, 1, 2, 3], remote, [12, 13, 14, 15], notif_msg=b"done-1"
+        )
         assert type(handle).__name__ == "SameHostXfer"
         d_xfer.transfer(handle)
         deadline = time.monotonic() + 30
@@ -492,12 +536,16 @@ def test_cuda_chunks_are_imported_and_copied():
     try:
         table.map_pages([0])
         table.tensors[0][:BLOCK].fill_(9)
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
         assert reads.connect(name)
         _wait(lambda: reads.importer(name).num_mapped == 1)
         dst = torch.zeros(BLOCK, dtype=torch.uint8, device="cuda")
-        xfer = reads.make_read(name, _rows(dst.data_ptr(), [0]),
-                               _rows(table.tensors[0].data_ptr(), [0]), b"")
+        xfer = reads.make_read(
+            name,
+            _rows(dst.data_ptr(), [0]),
+            _rows(table.tensors[0].data_ptr(), [0]),
+            b"",
+        )
         reads.transfer(xfer)
         assert _finish(reads, xfer, []) == "DONE"
         assert bool((dst == 9).all())

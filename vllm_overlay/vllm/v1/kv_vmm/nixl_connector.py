@@ -202,8 +202,7 @@ class NixlVmmWorker:
             )
         except (OSError, ImportError, AttributeError) as e:
             logger.warning(
-                "VMM-backed KV cache: no same-host path (%s); NIXL/UCX moves "
-                "all KV",
+                "VMM-backed KV cache: no same-host path (%s); NIXL/UCX moves all KV",
                 e,
             )
             if self.exporter is not None:

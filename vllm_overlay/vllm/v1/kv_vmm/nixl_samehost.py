@@ -54,6 +54,7 @@ of descriptors (``EMFILE``: the kernel drops the fds of the message) detaches
 from that producer with an error naming the limit and reads through NIXL/UCX.
 """
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -381,8 +382,15 @@ class ChunkExporter:
         if hello is None or hello.get("op") != "hello":
             raise SameHostUnavailable("the peer closed before its hello")
         boot_id, hostname = self.identity
-        _send(sock, {"op": "hello", "boot_id": boot_id, "hostname": hostname,
-                     "kind": self.kind})
+        _send(
+            sock,
+            {
+                "op": "hello",
+                "boot_id": boot_id,
+                "hostname": hostname,
+                "kind": self.kind,
+            },
+        )
         if (hello["boot_id"], hello["hostname"]) != self.identity:
             raise SameHostUnavailable(
                 f"peer {hello.get('name')} is on {hello['hostname']} (boot id "
@@ -401,7 +409,9 @@ class ChunkExporter:
         finally:
             peer.send_lock.release()
         threading.Thread(
-            target=self._peer_loop, args=(peer,), name="kv-vmm-same-host-peer",
+            target=self._peer_loop,
+            args=(peer,),
+            name="kv-vmm-same-host-peer",
             daemon=True,
         ).start()
         logger.info("Same-host KV reader %s connected (%d chunks)", peer.name, len(ids))
@@ -417,8 +427,11 @@ class ChunkExporter:
                     return
                 # Not the ones an unmap is taking back (it may not have
                 # asked this peer: it did not hold them yet).
-                chunks = [(i, self._chunks.get(i)) for i in batch]
-                chunks = [(i, c) for i, c in chunks if c is not None and not c.retiring]
+                chunks: list[tuple[int, _Chunk]] = []
+                for i in batch:
+                    c = self._chunks.get(i)
+                    if c is not None and not c.retiring:
+                        chunks.append((i, c))
                 # Counted before sending: a partial send leaves the peer
                 # holding at most these.
                 peer.held.update(i for i, _ in chunks)
@@ -444,10 +457,8 @@ class ChunkExporter:
 
     def _detach(self, peer: _Peer) -> None:
         """Tell the peer to drop everything (it closes when it did)."""
-        try:
+        with contextlib.suppress(OSError):
             peer.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
     def _peer_loop(self, peer: _Peer) -> None:
         # The socket keeps its send timeout (one socket object, shared with
@@ -481,10 +492,8 @@ class ChunkExporter:
         with self._lock:
             self._closed = True
             peers = list(self._peers)
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
         for peer in peers:
             self._detach(peer)
@@ -509,7 +518,9 @@ class HostChunkMemory:
 
     def unmap(self, addr: int, nbytes: int, state: Any) -> None:
         if _munmap(addr, nbytes) != 0:
-            raise VmmError(f"munmap({addr:#x}) failed: {os.strerror(ctypes.get_errno())}")
+            raise VmmError(
+                f"munmap({addr:#x}) failed: {os.strerror(ctypes.get_errno())}"
+            )
 
     def copy(self, runs: np.ndarray) -> None:
         for dst, src, n in runs.tolist():
@@ -622,18 +633,26 @@ class ChunkImporter:
         sock.settimeout(connect_timeout_s)
         try:
             sock.connect(address)
-            _send(sock, {"op": "hello", "boot_id": boot_id, "hostname": hostname,
-                         "name": name})
+            _send(
+                sock,
+                {"op": "hello", "boot_id": boot_id, "hostname": hostname, "name": name},
+            )
             hello, _ = _recv(sock)
         except (OSError, ValueError) as e:
             sock.close()
             raise SameHostUnavailable(
                 f"no same-host channel at {address.lstrip(chr(0))!r}: {e}"
             ) from e
-        if hello is None or (hello["boot_id"], hello["hostname"]) != (boot_id, hostname):
+        if hello is None or (hello["boot_id"], hello["hostname"]) != (
+            boot_id,
+            hostname,
+        ):
             sock.close()
-            where = "gone" if hello is None else (
-                f"{hello['hostname']} (boot id {hello['boot_id']})")
+            where = (
+                "gone"
+                if hello is None
+                else (f"{hello['hostname']} (boot id {hello['boot_id']})")
+            )
             raise SameHostUnavailable(f"the producer is on {where}, not this host")
         if hello.get("kind") not in (None, self.kind):
             sock.close()
@@ -667,7 +686,8 @@ class ChunkImporter:
             self.error = e
             logger.error(
                 "Same-host KV channel %r: %s; reads go through NIXL/UCX",
-                self.address.lstrip("\0"), e,
+                self.address.lstrip("\0"),
+                e,
             )
         # The producer is gone, detached us, or the channel broke: nothing
         # may be read through our mappings any more; drop them (after the
@@ -750,10 +770,8 @@ class ChunkImporter:
 
     def close(self) -> None:
         """Drop everything and close the channel (the producer sees EOF)."""
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._thread.join(timeout=30)
 
 
