@@ -6,6 +6,7 @@ descriptors, and real processes for the peers that die."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -265,6 +266,32 @@ def test_channel_that_cannot_open_falls_back_with_the_reason(producer, caplog):
             HostChunkMemory(),
             identity=("another-boot-id", "elsewhere"),
         )
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a child as nobody")
+def test_a_process_of_another_user_gets_no_chunks(producer):
+    name, _, table, exporter = producer
+    table.map_pages([0])
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user asks for the chunks
+        try:
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(channel_address(name))
+            s.send(b'{"op": "hello", "boot_id": "", "hostname": ""}')
+            data, fds, _, _ = socket.recv_fds(s, 4096, 8)
+            os.write(write_end, f"GOT {len(data)} {len(fds)}".encode())
+        except BaseException as e:
+            os.write(write_end, repr(e).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end) as f:
+        result = f.read()
+    assert result == "GOT 0 0", result
+    assert exporter.num_peers == 0
 
 
 _PYTHON_PRELUDE = textwrap.dedent("""

@@ -62,6 +62,7 @@ import json
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -173,6 +174,12 @@ def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
             f"{_nofile_limit()}); raise the limit (ulimit -n)"
         )
     return msg, fds
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket."""
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", cred)[1]
 
 
 def _nofile_limit() -> int:
@@ -377,6 +384,11 @@ class ChunkExporter:
                 sock.close()
 
     def _welcome(self, sock: socket.socket) -> None:
+        # The socket is reachable by every process of the network namespace:
+        # KV memory goes only to processes of our own user.
+        uid = peer_uid(sock)
+        if uid != os.getuid():
+            raise SameHostUnavailable(f"a process of uid {uid} is not ours")
         sock.settimeout(_SEND_TIMEOUT_S)
         hello, fds = _recv(sock)
         if hello is None or hello.get("op") != "hello":
@@ -633,6 +645,8 @@ class ChunkImporter:
         sock.settimeout(connect_timeout_s)
         try:
             sock.connect(address)
+            if (uid := peer_uid(sock)) != os.getuid():
+                raise OSError(f"the listener runs as uid {uid}, not ours")
             _send(
                 sock,
                 {"op": "hello", "boot_id": boot_id, "hostname": hostname, "name": name},
