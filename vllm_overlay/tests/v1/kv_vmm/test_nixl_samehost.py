@@ -282,6 +282,8 @@ def test_a_process_of_another_user_gets_no_chunks(producer):
             s.send(b'{"op": "hello", "boot_id": "", "hostname": ""}')
             data, fds, _, _ = socket.recv_fds(s, 4096, 8)
             os.write(write_end, f"GOT {len(data)} {len(fds)}".encode())
+        except ConnectionError:  # reset or broken pipe: the producer closed
+            os.write(write_end, b"GOT 0 0")
         except BaseException as e:
             os.write(write_end, repr(e).encode())
         finally:
@@ -290,6 +292,7 @@ def test_a_process_of_another_user_gets_no_chunks(producer):
     os.waitpid(pid, 0)
     with os.fdopen(read_end) as f:
         result = f.read()
+    # Closed on it: not even the producer's hello came.
     assert result == "GOT 0 0", result
     assert exporter.num_peers == 0
 
