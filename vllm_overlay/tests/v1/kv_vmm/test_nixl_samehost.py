@@ -268,6 +268,49 @@ def test_channel_that_cannot_open_falls_back_with_the_reason(producer, caplog):
         )
 
 
+def test_a_channel_that_timed_out_is_opened_again_later(caplog):
+    """A producer too busy to answer in time: reads go through NIXL, and the
+    first read after ``retry_after_s`` opens the channel in the background."""
+    name = f"p-{uuid.uuid4()}"
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    busy.bind(channel_address(name))
+    busy.listen(1)  # never accepts: the connect succeeds, the hello never comes
+    reads = SameHostReads(HostChunkMemory(), connect_timeout_s=0.3, retry_after_s=0.5)
+    backend, table = _table()
+    table.map_pages([0])
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+    local = _rows(dst.ctypes.data, [0])
+    remote = _rows(table.tensors[0].data_ptr(), [0])
+    exporter = None
+    try:
+        with caplog.at_level("WARNING"):
+            assert not reads.connect(name)
+        assert "timed out" in caplog.text
+        busy.close()
+        exporter = ChunkExporter(channel_address(name))
+        exporter.attach(table)
+        # Not due yet: no retry.
+        assert reads.make_read(name, local, remote, b"") is None
+        time.sleep(0.2)
+        assert reads.importer(name) is None
+        time.sleep(0.5)
+        assert reads.make_read(name, local, remote, b"") is None  # starts it
+        _wait(lambda: reads.importer(name) is not None)
+        _wait(lambda: reads.importer(name).num_mapped == 1)
+        xfer = reads.make_read(name, local, remote, b"")
+        assert xfer is not None
+        reads.release(xfer)
+        # A peer without a listener is not retried.
+        assert not reads.connect(f"absent-{uuid.uuid4()}")
+    finally:
+        busy.close()
+        reads.close()
+        if exporter is not None:
+            exporter.close()
+        table.close()
+        backend.close()
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a child as nobody")
 def test_a_process_of_another_user_gets_no_chunks(producer):
     name, _, table, exporter = producer

@@ -889,6 +889,11 @@ class SameHostReads:
             (:func:`chunk_memory_for` of our backend).
         name: our agent name (the producers log it).
         address_of: the channel address of a producer agent.
+        connect_timeout_s: how long opening a channel may take.
+        retry_after_s: a channel that timed out (a busy producer) is tried
+            again, in the background, by the first read from the peer this
+            long after; one refused for good (no listener, another host or
+            user) is not.
 
     """
 
@@ -898,14 +903,20 @@ class SameHostReads:
         name: str = "",
         address_of: Callable[[str], str] = channel_address,
         identity: tuple[str, str] | None = None,
+        connect_timeout_s: float = _CONNECT_TIMEOUT_S,
+        retry_after_s: float = 30.0,
     ) -> None:
         self.memory = memory
         self.name = name
         self.address_of = address_of
         self.identity = identity
+        self.connect_timeout_s = connect_timeout_s
+        self.retry_after_s = retry_after_s
         self._lock = threading.Lock()
         self._importers: dict[str, ChunkImporter] = {}
-        self._unavailable: dict[str, str] = {}
+        # Peer -> (why its channel is not open, when a retry is due or None).
+        self._unavailable: dict[str, tuple[str, float | None]] = {}
+        self._retrying: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
 
     def connect(self, agent_name: str) -> bool:
@@ -917,13 +928,20 @@ class SameHostReads:
                 return True
         try:
             importer = ChunkImporter(
-                self.address_of(agent_name), self.memory, self.name, self.identity
+                self.address_of(agent_name),
+                self.memory,
+                self.name,
+                self.identity,
+                self.connect_timeout_s,
             )
         except Exception as e:
             # Never fails the handshake: NIXL/UCX reads work without it.
+            timed_out = isinstance(e.__cause__, TimeoutError)
+            retry = time.monotonic() + self.retry_after_s if timed_out else None
             with self._lock:
-                first = self._unavailable.get(_key(agent_name)) != str(e)
-                self._unavailable[_key(agent_name)] = str(e)
+                previous = self._unavailable.get(_key(agent_name))
+                first = previous is None or previous[0] != str(e)
+                self._unavailable[_key(agent_name)] = (str(e), retry)
             if first:
                 logger.warning(
                     "KV reads from %s go through NIXL/UCX: %s", agent_name, e
@@ -934,6 +952,31 @@ class SameHostReads:
             self._unavailable.pop(_key(agent_name), None)
         logger.info("KV reads from %s use the same-host path", agent_name)
         return True
+
+    def _retry_if_due(self, agent_name: str) -> None:
+        """Open a channel that timed out again, in the background."""
+        key = _key(agent_name)
+        with self._lock:
+            failed = self._unavailable.get(key)
+            if (
+                failed is None
+                or failed[1] is None
+                or time.monotonic() < failed[1]
+                or key in self._retrying
+            ):
+                return
+            self._retrying.add(key)
+
+        def retry() -> None:
+            try:
+                self.connect(agent_name)
+            finally:
+                with self._lock:
+                    self._retrying.discard(key)
+
+        threading.Thread(
+            target=retry, name="kv-vmm-same-host-retry", daemon=True
+        ).start()
 
     def importer(self, agent_name: str) -> ChunkImporter | None:
         with self._lock:
@@ -957,6 +1000,7 @@ class SameHostReads:
         a chunk the producer shares with us now."""
         importer = self.importer(agent_name)
         if importer is None or not importer.alive:
+            self._retry_if_due(agent_name)
             return None
         pinned = importer.pin(remote_rows)
         if pinned is None:
