@@ -46,7 +46,13 @@ LEASE_S = 600
 
 def _worker_stats(worker) -> dict:
     mapper = getattr(worker.model_runner, "kv_page_mapper", None)
-    return {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
+    stats = {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
+    try:
+        from vllm.v1.kv_vmm.nixl_samehost import same_host_stats
+    except ImportError:  # a vLLM without the same-host path
+        return stats
+    # Reads of VMM-backed peers' KV on this host done as local copies (this worker).
+    return {**stats, "same_host": same_host_stats()}
 
 
 def _nixl_metrics(llm) -> dict[str, float]:
@@ -263,16 +269,20 @@ def check_disaggregated(reference: list[list[int]], prefill: dict, decode: dict,
         f"metrics after each wave: {decode['nixl']}")
 
 
-def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]], backend: str,
+def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]],
+                      backend: str | tuple[str, str],
                       env_of: Callable[[str], dict[str, str]], node_args: list[str],
                       prefill_extra: dict | None = None, decode_extra: dict | None = None,
                       timeout: float = 600) -> tuple[dict, dict]:
     """A prefill and a decode instance at once; ``env_of(role)`` is each one's environment
-    (e.g. its GPU). Returns both instances' reports."""
+    (e.g. its GPU); ``backend`` is both instances' KV memory backend, or (prefill's,
+    decode's). Returns both instances' reports."""
+    backends = dict(zip(("prefill", "decode"),
+                        (backend, backend) if isinstance(backend, str) else backend))
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
     procs = [
-        _start(role, model, workdir, backend, _side_channel(env_of(role), free_port()),
+        _start(role, model, workdir, backends[role], _side_channel(env_of(role), free_port()),
                [*node_args, "--extra", json.dumps(extra or {})])
         for role, extra in (("prefill", prefill_extra), ("decode", decode_extra))
     ]

@@ -85,9 +85,16 @@ def _check(reference: list[list[int]], prefill: dict, decode: dict) -> None:
                              full_blocks * BLOCK_KV_BYTES)
 
 
+def _same_host_reads(decode: dict) -> dict[str, int]:
+    """The decode worker's same-host read counters after the last wave."""
+    return decode["stats"][-1][0].get("same_host", {})
+
+
 def test_disaggregated_stock_kv_matches_single_instance(pd_model, reference, tmp_path):
     prefill, decode = run_disaggregated(pd_model, tmp_path, "default")
     _check(reference, prefill, decode)
+    # Stock KV: nothing to share, every read went through NIXL/UCX.
+    assert _same_host_reads(decode).get("reads", 0) == 0
 
 
 def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_path):
@@ -98,6 +105,14 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
     give pages back when idle."""
     prefill, decode = run_disaggregated(pd_model, tmp_path, "vmm")
     _check(reference, prefill, decode)
+    # Same host: the prefill instance shared its chunks, and every prompt's KV came as
+    # local copies out of them, none through UCX and none failed.
+    full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
+    same_host = _same_host_reads(decode)
+    assert same_host["channels"] >= 1, same_host
+    assert same_host["reads"] >= 1, same_host
+    assert same_host["bytes"] >= full_blocks * BLOCK_KV_BYTES, same_host
+    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, same_host
     # The prefill instance mapped pages while prefilling the second wave: the requests
     # it finished then tell the decode instance that its registrations changed.
     second = json.loads((tmp_path / "params1.json").read_text())
@@ -107,3 +122,15 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
         assert after_first["kv_pages_mapped_total"] == start["kv_pages_mapped_total"]
         assert after_second["kv_pages_mapped_total"] > after_first["kv_pages_mapped_total"]
         assert after_second["kv_mapped_bytes_peak"] >= 3 * start["page_bytes"]
+
+
+def test_disaggregated_stock_prefill_vmm_decode_reads_through_ucx(pd_model, reference,
+                                                                 tmp_path):
+    """A mixed pair: the stock prefill instance has no VMM chunks to share. The VMM decode
+    instance finds no same-host channel, says why once, and reads through NIXL/UCX."""
+    prefill, decode = run_disaggregated(pd_model, tmp_path, ("default", "vmm"))
+    _check(reference, prefill, decode)
+    same_host = _same_host_reads(decode)
+    assert same_host["channels"] == 0 and same_host["reads"] == 0, same_host
+    log = (tmp_path / "decode.log").read_text()
+    assert "go through NIXL/UCX: no same-host channel" in log

@@ -19,7 +19,9 @@ Thread-safety contract
 ----------------------
 * No background thread is needed or started: the owner of the page table
   (a worker's model-runner thread) applies map/unmap synchronously before
-  the forward pass that needs the pages.
+  the forward pass that needs the pages. (NixlConnector's same-host path,
+  :mod:`vllm.v1.kv_vmm.nixl_samehost`, runs channel threads of its own; they
+  only export chunks it tracks as mapped and not being unmapped.)
 * ``KVPageTable.map_pages``, ``unmap_pages``, ``close``, ``mapped_pages`` and
   ``segments`` are serialized by one internal lock, so another thread (e.g. a
   KV connector's transfer thread) may read the mapped state while the owner

@@ -154,6 +154,16 @@ class HostVmmBackend(VmmBackend):
             raise _os_error(f"fallocate(PUNCH_HOLE, {handle}, {nbytes})")
         self._free_extents[nbytes].append(handle)
 
+    def export_extent(self, handle: object) -> tuple[int, int]:
+        """A new file descriptor of the memfd and the allocation's offset in
+        it, to share the allocation with another process (the caller closes
+        the fd). The receiver must unmap it before the allocation is
+        released: a punched hole frees the pages under its mapping too."""
+        assert isinstance(handle, int)
+        if handle not in self._allocations:
+            raise VmmError(f"export: no allocation at {handle}")
+        return os.dup(self._fd), handle
+
     def map(self, va: int, nbytes: int, handle: object) -> None:
         assert isinstance(handle, int)
         if self._allocations.get(handle) != nbytes:

@@ -35,6 +35,12 @@ from typing import Any
 import msgspec
 
 from vllm.logger import init_logger
+from vllm.v1.kv_vmm.nixl_samehost import (
+    ChunkExporter,
+    SameHostReads,
+    channel_address,
+    chunk_memory_for,
+)
 from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
 from vllm.v1.kv_vmm.page_table import KVPageTable
 
@@ -93,9 +99,15 @@ class NixlVmmWorker:
         agent: Any,
         fetch: Callable[[str, bytes, float], bytes] = fetch_agent_metadata,
         fetch_timeout_s: float = FETCH_TIMEOUT_S,
+        same_host: bool = True,
     ) -> None:
         self.page_table: KVPageTable | None = None
         self.registry: NixlSegmentRegistry | None = None
+        # Same-host path (nixl_samehost): our chunks shared with readers on
+        # this host, and the channels to the peers whose chunks we read.
+        self.same_host_enabled = same_host
+        self.exporter: ChunkExporter | None = None
+        self.same_host: SameHostReads | None = None
         # The connector's agent; a SegmentedXferAgent once ours registers.
         self.agent = agent
         self._fetch = fetch
@@ -152,6 +164,8 @@ class NixlVmmWorker:
                 "Use --kv-cache-memory-backend default for this model."
             )
         mem_type = kinds[0]
+        if self.same_host_enabled:
+            self._share_on_this_host()
         self.registry = NixlSegmentRegistry(
             self.agent,
             mem_type,
@@ -160,7 +174,10 @@ class NixlVmmWorker:
         )
         self.registry.attach(self.page_table)
         self.agent = SegmentedXferAgent(
-            self.agent, self.registry, refresh_remote=self._refresh_in_background
+            self.agent,
+            self.registry,
+            refresh_remote=self._refresh_in_background,
+            same_host=self.same_host,
         )
         logger.info(
             "VMM-backed KV cache: NIXL registers %d physical chunks now and "
@@ -168,6 +185,29 @@ class NixlVmmWorker:
             len(self.registry.registered_ranges),
         )
         return self.agent
+
+    def _share_on_this_host(self) -> None:
+        """Offer our chunks to same-host readers (attached before the NIXL
+        registry, so its checks run first under the page table's lock) and
+        get ready to read same-host peers' chunks."""
+        assert self.page_table is not None
+        name = getattr(self.agent, "name", None)
+        if not isinstance(name, str):
+            return  # an agent without a name cannot be found by peers
+        try:
+            self.exporter = ChunkExporter(channel_address(name))
+            self.exporter.attach(self.page_table)
+            self.same_host = SameHostReads(
+                chunk_memory_for(self.page_table.backend), name=name
+            )
+        except (OSError, ImportError, AttributeError) as e:
+            logger.warning(
+                "VMM-backed KV cache: no same-host path (%s); NIXL/UCX moves all KV",
+                e,
+            )
+            if self.exporter is not None:
+                self.exporter.close()
+                self.exporter = None
 
     def _reservations(self) -> list[tuple[int, int]]:
         """The page table's reservations, adjacent ones merged."""
@@ -221,6 +261,9 @@ class NixlVmmWorker:
         ``path`` and the encoded GET_META_MSG naming its rank."""
         with self._lock:
             self._side_channels[agent_name] = (path, request)
+        if self.same_host is not None:
+            # Same host: reads of its shared chunks become local copies.
+            self.same_host.connect(agent_name)
 
     def remove_peer(self, agent_name: str) -> None:
         """A new handshake with the peer records it again."""
@@ -228,6 +271,8 @@ class NixlVmmWorker:
             self._side_channels.pop(agent_name, None)
             self._epochs.pop(agent_name, None)
             self._fetches.pop(agent_name, None)
+        if self.same_host is not None:
+            self.same_host.disconnect(agent_name)
 
     def catch_up(
         self,
@@ -327,6 +372,10 @@ class NixlVmmWorker:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        if self.same_host is not None:
+            self.same_host.close()
+        if self.exporter is not None:
+            self.exporter.close()
         if self.registry is not None:
             self.registry.close()
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from vllm.v1.kv_vmm.backend import VmmError
+from vllm.v1.kv_vmm.nixl_samehost import SameHostReads, SameHostXfer
 from vllm.v1.kv_vmm.page_table import KVPageTable, Segment
 
 # check_xfer_state() of a transfer still moving data.
@@ -80,6 +81,9 @@ class NixlSegmentRegistry:
         # Transfer handle -> (starts, ends) of the local byte ranges it uses.
         self._in_flight: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
         self._tables: list[KVPageTable] = []
+        # State of a transfer handle without side effects (the agent's
+        # check_xfer_state unless the XferAgent runs transfers of its own).
+        self.xfer_state: Callable[[Any], str] | None = None
 
     def attach(self, table: KVPageTable) -> None:
         """Register what ``table`` has mapped and follow its later changes.
@@ -194,11 +198,8 @@ class NixlSegmentRegistry:
 
     def _busy(self, ranges: list[tuple[int, int]]) -> list[Any]:
         """Transfers in flight that touch ``ranges``."""
-        return [
-            h
-            for h in self._touching(ranges)
-            if self.agent.check_xfer_state(h) == _IN_FLIGHT
-        ]
+        state = self.xfer_state or self.agent.check_xfer_state
+        return [h for h in self._touching(ranges) if state(h) == _IN_FLIGHT]
 
     def _busy_error(self, segment_id: int, num_busy: int) -> VmmError:
         return VmmError(
@@ -283,6 +284,10 @@ class _PreparedDescs:
 class SegmentedXferAgent:
     """A ``nixl_agent`` whose descriptor lists are resolved per transfer.
 
+    With ``same_host``, a READ whose remote blocks all lie in memory the
+    peer shares with us on this host runs as a local copy
+    (:class:`~vllm.v1.kv_vmm.nixl_samehost.SameHostXfer`, driven through the
+    same ``transfer``/``check_xfer_state``/``release_xfer_handle`` calls).
     Everything not overridden goes to the wrapped agent.
     """
 
@@ -294,11 +299,19 @@ class SegmentedXferAgent:
         agent: Any,
         registry: NixlSegmentRegistry,
         refresh_remote: Callable[[str], bool] | None = None,
+        same_host: SameHostReads | None = None,
     ) -> None:
         self._agent = agent
         self.registry = registry
         # Fetches a peer's current agent metadata; True if it was updated.
         self.refresh_remote = refresh_remote
+        self.same_host = same_host
+        registry.xfer_state = self._xfer_state
+
+    def _xfer_state(self, handle: Any) -> str:
+        if isinstance(handle, SameHostXfer):
+            return handle.state()
+        return self._agent.check_xfer_state(handle)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
@@ -334,6 +347,13 @@ class SegmentedXferAgent:
         remote = remote_xfer_side.descs
         local_rows = local.rows[np.asarray(local_indices, dtype=np.int64)]
         remote_rows = remote.rows[np.asarray(remote_indices, dtype=np.int64)]
+        if self.same_host is not None and operation == "READ":
+            xfer = self.same_host.make_read(
+                remote_xfer_side.agent_name, local_rows, remote_rows, notif_msg
+            )
+            if xfer is not None:
+                self.registry.track(xfer, local_rows)
+                return xfer
         args = (
             operation,
             self._agent.get_xfer_descs(local_rows, local.mem_type),
@@ -379,8 +399,32 @@ class SegmentedXferAgent:
         self.registry.track(handle, local_rows)
         return handle
 
+    def transfer(self, handle: Any, notif_msg: bytes = b"") -> str:
+        if isinstance(handle, SameHostXfer):
+            assert self.same_host is not None
+            return self.same_host.transfer(handle)
+        return self._agent.transfer(handle, notif_msg)
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if isinstance(handle, SameHostXfer):
+            assert self.same_host is not None
+            return self.same_host.check(
+                handle,
+                lambda name, msg: self._agent.send_notif(name, notif_msg=msg),
+            )
+        return self._agent.check_xfer_state(handle)
+
+    def get_xfer_telemetry(self, handle: Any) -> Any:
+        if isinstance(handle, SameHostXfer):
+            return handle.telemetry()
+        return self._agent.get_xfer_telemetry(handle)
+
     def release_xfer_handle(self, handle: Any) -> None:
         self.registry.untrack(handle)
+        if isinstance(handle, SameHostXfer):
+            assert self.same_host is not None
+            self.same_host.release(handle)
+            return
         self._agent.release_xfer_handle(handle)
 
     def release_dlist_handle(self, handle: Any) -> None:
