@@ -61,6 +61,22 @@ def _os_error(call: str) -> VmmError:
     return cls(f"{call} failed: [errno {err}] {os.strerror(err)}")
 
 
+def map_shared_extent(fd: int, offset: int, nbytes: int) -> int:
+    """Map ``nbytes`` of a shared memfd at ``offset`` read-only anywhere in
+    this process (another process's extent, from
+    :meth:`HostVmmBackend.export_extent`); returns the address."""
+    addr = _mmap(None, nbytes, mmap.PROT_READ, _MAP_SHARED, fd, offset)
+    if addr == _MAP_FAILED:
+        raise _os_error(f"mmap of a shared KV chunk ({nbytes} bytes at {offset})")
+    return addr
+
+
+def unmap_shared_extent(addr: int, nbytes: int) -> None:
+    """Unmap what :func:`map_shared_extent` mapped."""
+    if _munmap(addr, nbytes) != 0:
+        raise _os_error(f"munmap({addr:#x}, {nbytes})")
+
+
 class HostVmmBackend(VmmBackend):
     """Linux virtual-memory backend (``mmap`` + ``memfd``).
 

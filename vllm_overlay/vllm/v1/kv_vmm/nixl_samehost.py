@@ -59,7 +59,6 @@ import ctypes
 import dataclasses
 import errno
 import json
-import mmap
 import os
 import socket
 import struct
@@ -73,6 +72,7 @@ import numpy as np
 
 from vllm.logger import init_logger
 from vllm.v1.kv_vmm.backend import VmmBackend, VmmError
+from vllm.v1.kv_vmm.host import map_shared_extent, unmap_shared_extent
 from vllm.v1.kv_vmm.page_table import KVPageTable, Segment
 
 logger = init_logger(__name__)
@@ -85,21 +85,6 @@ _MAX_MESSAGE = 1 << 20
 _CONNECT_TIMEOUT_S = 10.0
 _SEND_TIMEOUT_S = 5.0
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_munmap = _libc.munmap
-_munmap.restype = ctypes.c_int
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 # What this process has done on the same-host path (read back by tests and
 # benchmarks through the worker: ``same_host_stats()``).
@@ -522,17 +507,10 @@ class HostChunkMemory:
     """Maps shared memfd extents read-only; copies with memmove."""
 
     def map(self, fd: int, offset: int, nbytes: int) -> tuple[int, Any]:
-        addr = _mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-        if addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise VmmError(f"mmap of a shared KV chunk failed: {os.strerror(err)}")
-        return addr, None
+        return map_shared_extent(fd, offset, nbytes), None
 
     def unmap(self, addr: int, nbytes: int, state: Any) -> None:
-        if _munmap(addr, nbytes) != 0:
-            raise VmmError(
-                f"munmap({addr:#x}) failed: {os.strerror(ctypes.get_errno())}"
-            )
+        unmap_shared_extent(addr, nbytes)
 
     def copy(self, runs: np.ndarray) -> None:
         for dst, src, n in runs.tolist():
