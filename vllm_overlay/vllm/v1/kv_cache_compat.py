@@ -104,3 +104,15 @@ def kv_storage_block_size(kv_cache_spec: "KVCacheSpec") -> int:
     """Tokens per block as the KV tensor stores them: `storage_block_size`
     where a release distinguishes it from the scheduler's block size."""
     return getattr(kv_cache_spec, "storage_block_size", kv_cache_spec.block_size)
+
+
+def parse_size(text: str) -> int:
+    """A size as vLLM's own options read it (``--kv-cache-memory-bytes``,
+    ``--kv-cache-vmm-*-bytes``): ``4096``, ``512M`` (MiB), ``512m`` (10^6),
+    through `human_readable_int` (in `vllm.utils.argparse_utils` since vLLM
+    0.21, in `vllm.engine.arg_utils` before)."""
+    try:
+        module = importlib.import_module("vllm.utils.argparse_utils")
+    except ImportError:
+        module = importlib.import_module("vllm.engine.arg_utils")
+    return module.human_readable_int(text)

@@ -3,6 +3,7 @@
 """The per-device KV memory ledger: floors, caps, first come first served,
 engines that die, and the CLI that reads and changes it."""
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -138,7 +139,7 @@ def test_cli_lists_and_sets_limits(ledger, tmp_path, capsys):
         )
         == 0
     )
-    assert cli(["capacity", "6GiB", "--key", "GPU-test"], directory) == 0
+    assert cli(["capacity", "6G", "--key", "GPU-test"], directory) == 0
     state = ledger.read()
     assert state.capacity_bytes == 6 << 30
     assert state.entry(entry).limit_bytes == 2 << 30
@@ -161,7 +162,13 @@ def test_cli_lists_and_sets_limits(ledger, tmp_path, capsys):
 
 
 def test_sizes_and_paths():
+    # The same reading as vLLM's own size options.
     assert parse_bytes("4096") == 4096
-    assert parse_bytes("1.5GiB") == 3 << 29
-    assert parse_bytes("512m") == 512 << 20
+    assert parse_bytes("512M") == 512 << 20
+    assert parse_bytes("512m") == 512 * 10**6
+    assert parse_bytes("1.5g") == 1_500_000_000
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("1.5G")  # no decimals with binary suffixes, as vLLM
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
     assert ledger_path("GPU-1/2", "/x") == "/x/vllm-kv-ledger-GPU-1_2.json"

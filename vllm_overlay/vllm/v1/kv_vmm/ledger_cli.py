@@ -7,8 +7,9 @@
         [--limit-bytes SIZE|none] [--floor-bytes SIZE]
     python -m vllm.v1.kv_vmm.ledger_cli capacity SIZE --key KEY
 
-ENGINE is an entry's id, pid or name. SIZE is bytes, or with a suffix
-(``512M``, ``4G``, ``1.5GiB``). An engine applies a lowered limit at its
+ENGINE is an entry's id, pid or name. SIZE is bytes, or with a suffix as
+vLLM's options take it (``512M``, ``4G``: binary; ``512m``, ``1.5g``:
+decimal). An engine applies a lowered limit at its
 next step (free pages first, cached prefix blocks on them evicted).
 """
 
@@ -17,6 +18,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from vllm.v1.kv_cache_compat import parse_size
 from vllm.v1.kv_vmm.ledger import (
     KVMemoryLedger,
     LedgerState,
@@ -24,16 +26,12 @@ from vllm.v1.kv_vmm.ledger import (
     list_ledgers,
 )
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
 
 def parse_bytes(text: str) -> int:
-    """``4096``, ``512M``, ``4G``, ``1.5GiB`` (binary units) -> bytes."""
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = value[-1:] if value[-1:] in _UNITS else ""
-    number = value[: len(value) - len(unit)].strip()
+    """A size in bytes as vLLM's own options read it (``512M``: MiB,
+    ``512m``: 10^6 bytes), so the CLI and the engine's flags agree."""
     try:
-        return int(float(number) * _UNITS[unit])
+        return parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
 
