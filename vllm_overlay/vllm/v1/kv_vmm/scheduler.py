@@ -503,8 +503,10 @@ class PagedBlockPool(BlockPool):
         return max(policy.headroom_pages * policy.blocks_per_page, policy.ahead_blocks)
 
     def _busy_trim_due(self) -> bool:
-        """With a device ledger, while requests run: whether free pages
-        beyond a step's worth ahead have been free for the shrink delay.
+        """With a device ledger, while requests run: whether the pool has
+        had at least a page's worth of free blocks beyond a step's worth
+        ahead for the shrink delay (then every whole free page beyond a
+        step's worth goes back at once).
 
         An engine that stays busy (a trickle of requests after its peak)
         would otherwise keep its peak's memory until it goes idle, and the
