@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+# Four server starts: out of CI's time budget (slow); CI runs its harness side
+# (tests/harness/test_bench_sharing.py) and the shared-ledger engine tests.
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 
