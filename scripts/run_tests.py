@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def pytest(python: str, args: list[str], cwd: Path, label: str, results: list,
         xml = f.name
     cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
     print(f"\n=== {label}: {' '.join(cmd)}  (in {cwd})", flush=True)
+    start = time.monotonic()
     rc = subprocess.call(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})})
+    seconds = time.monotonic() - start
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     try:
         for suite in ET.parse(xml).getroot().iter("testsuite"):
@@ -64,7 +67,7 @@ def pytest(python: str, args: list[str], cwd: Path, label: str, results: list,
         Path(xml).unlink(missing_ok=True)
     if rc not in (0, 5) and counts["failed"] == 0:
         counts["failed"] = 1  # pytest itself failed (collection error, crash)
-    results.append((label, rc, counts))
+    results.append((label, rc, counts, seconds))
 
 
 def upstream(version: str, results: list) -> None:
@@ -76,7 +79,9 @@ def upstream(version: str, results: list) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "upstream_oracle.py"), "--version", version,
            "--ci", "--summary-json", str(summary)]
     print(f"\n=== {version} upstream: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
     rc = subprocess.call(cmd)
+    seconds = time.monotonic() - start
     try:
         counts = json.loads(summary.read_text())
     except (json.JSONDecodeError, FileNotFoundError):
@@ -85,7 +90,7 @@ def upstream(version: str, results: list) -> None:
         summary.unlink(missing_ok=True)
     if rc != 0 and counts["failed"] == 0:
         counts["failed"] = 1  # the script itself failed (setup error, no baseline)
-    results.append((f"{version} upstream (vs stock)", rc, counts))
+    results.append((f"{version} upstream (vs stock)", rc, counts, seconds))
 
 
 def lint(version: str, results: list) -> None:
@@ -97,7 +102,9 @@ def lint(version: str, results: list) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "lint.py"), "--version", version,
            "--summary-json", str(summary)]
     print(f"\n=== {version} lint: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
     rc = subprocess.call(cmd)
+    seconds = time.monotonic() - start
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     try:
         for check in json.loads(summary.read_text()):
@@ -109,11 +116,12 @@ def lint(version: str, results: list) -> None:
         summary.unlink(missing_ok=True)
     if rc != 0 and counts["failed"] == 0:
         counts["failed"] = 1  # the script itself failed (a tool that cannot be installed)
-    results.append((f"{version} lint (added vs pristine)", rc, counts))
+    results.append((f"{version} lint (added vs pristine)", rc, counts, seconds))
 
 
 def run_release(release, tiers: list[str], results: list, slow: bool = False) -> None:
     v = release.version
+    start = time.monotonic()
     try:
         print(f"\n=== vLLM {v}: {apply_series(release)}", flush=True)
         kernels = os.environ.get("VLLM_KERNELS") or (
@@ -122,8 +130,11 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False) ->
         print(install(release, venv, kernels), flush=True)
     except SeriesError as e:
         print(e.render(), file=sys.stderr)
-        results.append((f"{v} setup", 1, {"passed": 0, "failed": 1, "skipped": 0}))
+        results.append((f"{v} setup", 1, {"passed": 0, "failed": 1, "skipped": 0},
+                        time.monotonic() - start))
         return
+    results.append((f"{v} setup (apply, install)", 0, {"passed": 0, "failed": 0, "skipped": 0},
+                    time.monotonic() - start))
     python = str(venv / "bin" / "python")
     # Inside the build tree the sdist's vllm.egg-info (version without "+cpu") shadows the
     # installed metadata vLLM's platform detection reads; say the platform explicitly.
@@ -219,13 +230,15 @@ def _has_plugin(module: str) -> bool:
 def summarize(results: list) -> int:
     print("\n=== summary")
     total = {"passed": 0, "failed": 0, "skipped": 0}
-    for label, rc, c in results:
+    for label, rc, c, seconds in results:
         status = "ok" if rc in (0, 5) and c["failed"] == 0 else "FAILED"
         print(f"  {label:<40} {status:<7} {c['passed']} passed, {c['failed']} failed, "
-              f"{c['skipped']} skipped")
+              f"{c['skipped']} skipped  ({seconds / 60:.1f} min)")
         for k in total:
             total[k] += c[k]
-    print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    minutes = sum(r[3] for r in results) / 60
+    print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped"
+          f" in {minutes:.1f} min")
     return 0 if total["failed"] == 0 and total["passed"] > 0 else 1
 
 

@@ -111,8 +111,11 @@ def parse_size(text: str) -> int:
     ``--kv-cache-vmm-*-bytes``): ``4096``, ``512M`` (MiB), ``512m`` (10^6),
     through `human_readable_int` (in `vllm.utils.argparse_utils` since vLLM
     0.21, in `vllm.engine.arg_utils` before)."""
-    try:
-        module = importlib.import_module("vllm.utils.argparse_utils")
-    except ImportError:
-        module = importlib.import_module("vllm.engine.arg_utils")
-    return module.human_readable_int(text)
+    for name in ("vllm.utils.argparse_utils", "vllm.engine.arg_utils"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "human_readable_int"):
+            return module.human_readable_int(text)
+    raise ImportError("this vLLM has no human_readable_int to read sizes with")
