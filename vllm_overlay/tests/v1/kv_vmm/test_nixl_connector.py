@@ -131,9 +131,9 @@ def table():
     backend.close()
 
 
-def _worker(table, fetch) -> tuple[NixlVmmWorker, _Agent]:
+def _worker(table, fetch, fetch_attempts: int = 1) -> tuple[NixlVmmWorker, _Agent]:
     agent = _Agent()
-    worker = NixlVmmWorker(agent, fetch=fetch)
+    worker = NixlVmmWorker(agent, fetch=fetch, fetch_attempts=fetch_attempts)
     worker.page_table = table
     base = table.tensors[0].data_ptr()
     worker.register(["DRAM"], False, [(base, base + 4096)], 0)
@@ -212,6 +212,35 @@ def test_a_failed_fetch_fails_the_waiting_reads(table):
         worker.close()
 
 
+def test_a_fetch_that_failed_is_tried_again_before_the_reads_fail(table):
+    """A busy peer's side channel can answer late: the reads fail only after
+    every attempt failed."""
+    fetch = _Fetch()
+    failures = [TimeoutError("no reply"), TimeoutError("no reply")]
+
+    def flaky(path: str, request: bytes, timeout_s: float) -> bytes:
+        fetch.error = failures.pop(0) if failures else None
+        return fetch(path, request, timeout_s)
+
+    worker, agent = _worker(table, flaky, fetch_attempts=3)
+    try:
+        fetch.release.set()
+        ready, failed, done, on_failed = _events()
+        assert not worker.catch_up(["peer"], 1, ready.set, on_failed)
+        assert ready.wait(60) and failed == []
+        assert worker.catch_up(["peer"], 1, ready.set, on_failed)
+        assert agent.loaded == [b"peer-meta-1"] and len(fetch.calls) == 3
+        # Always failing: the reads fail after the last attempt, with its error.
+        failures.extend([TimeoutError("a"), TimeoutError("b"), TimeoutError("c")])
+        ready, failed, done, on_failed = _events()
+        assert not worker.catch_up(["peer"], 2, ready.set, on_failed)
+        assert done.wait(60)
+        assert [str(e) for e in failed] == ["c"] and not ready.is_set()
+        assert len(fetch.calls) == 6
+    finally:
+        worker.close()
+
+
 def test_fetch_times_out_off_the_read_path():
     """A real side channel that never answers: the read path returns at once,
     and the fetch fails after its timeout."""
@@ -221,7 +250,7 @@ def test_fetch_times_out_off_the_read_path():
         port = rep.bind_to_random_port("tcp://127.0.0.1")
         # A reader with stock KV tensors (no page table) catches up too.
         agent = _Agent()
-        worker = NixlVmmWorker(agent, fetch_timeout_s=2.0)
+        worker = NixlVmmWorker(agent, fetch_timeout_s=2.0, fetch_attempts=1)
         worker.add_peer("peer", f"tcp://127.0.0.1:{port}", b"get-meta")
         try:
             ready, failed, done, on_failed = _events()

@@ -46,8 +46,12 @@ from vllm.v1.kv_vmm.page_table import KVPageTable
 
 logger = init_logger(__name__)
 
-# How long a background fetch of a peer's agent metadata waits for the reply.
+# How long a background fetch of a peer's agent metadata waits for the reply
+# (the stock handshake's wait), and how many times it is tried before the
+# reads waiting for it fail: a busy peer's side channel can answer late, and
+# unlike the handshake a peer is fetched again at every registration change.
 FETCH_TIMEOUT_S = 5.0
+FETCH_ATTEMPTS = 3
 
 
 def fetch_agent_metadata(path: str, request: bytes, timeout_s: float) -> bytes:
@@ -90,7 +94,9 @@ class NixlVmmWorker:
         agent: the connector's ``nixl_agent``.
         fetch: ``(path, request, timeout_s) -> agent metadata`` of a peer;
             :func:`fetch_agent_metadata` unless a test replaces it.
-        fetch_timeout_s: how long one background fetch may take.
+        fetch_timeout_s: how long one attempt of a background fetch may take.
+        fetch_attempts: attempts of a fetch before the reads waiting for it
+            fail.
 
     """
 
@@ -99,6 +105,7 @@ class NixlVmmWorker:
         agent: Any,
         fetch: Callable[[str, bytes, float], bytes] = fetch_agent_metadata,
         fetch_timeout_s: float = FETCH_TIMEOUT_S,
+        fetch_attempts: int = FETCH_ATTEMPTS,
         same_host: bool = True,
     ) -> None:
         self.page_table: KVPageTable | None = None
@@ -112,6 +119,7 @@ class NixlVmmWorker:
         self.agent = agent
         self._fetch = fetch
         self.fetch_timeout_s = fetch_timeout_s
+        self.fetch_attempts = max(fetch_attempts, 1)
         # Registration generation and agent metadata of the published payload.
         self._published_generation = 0
         self._agent_metadata: Any = None
@@ -347,9 +355,27 @@ class NixlVmmWorker:
                 max_workers=1, thread_name_prefix="nixl-vmm-registrations"
             )
         path, request = self._side_channels[agent_name]
-        fut = self._executor.submit(self._fetch, path, request, self.fetch_timeout_s)
+        fut = self._executor.submit(self._fetch_with_retries, agent_name, path, request)
         self._fetches[agent_name] = (epoch, fut)
         return fut
+
+    def _fetch_with_retries(self, agent_name: str, path: str, request: bytes) -> bytes:
+        """The peer's agent metadata; on the fetching thread."""
+        for attempt in range(1, self.fetch_attempts):
+            try:
+                return self._fetch(path, request, self.fetch_timeout_s)
+            except Exception as e:
+                logger.warning(
+                    "Fetching the NIXL registrations of %s from %s failed "
+                    "(%s: %s; attempt %d of %d), trying again",
+                    agent_name,
+                    path,
+                    type(e).__name__,
+                    e,
+                    attempt,
+                    self.fetch_attempts,
+                )
+        return self._fetch(path, request, self.fetch_timeout_s)
 
     def _load_fetched_locked(self, agent_name: str) -> bool:
         """Load the peer's metadata a finished fetch brought, on the calling
