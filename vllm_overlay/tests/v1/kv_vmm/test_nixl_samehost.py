@@ -163,6 +163,51 @@ def test_reader_maps_shared_chunks_and_copies_them(producer):
     _wait(lambda: exporter.num_peers == 0)
 
 
+class SlowMapMemory(HostChunkMemory):
+    """Host chunk memory whose maps take a while (a reader on a busy host)."""
+
+    def map(self, fd, offset, nbytes):
+        time.sleep(0.5)
+        return super().map(fd, offset, nbytes)
+
+
+def test_a_read_waits_for_chunks_sent_before_it_instead_of_leaving_the_path(producer):
+    """The producer sends a chunk when it maps it, before any reader can be told
+    of blocks in it; a reader that has not mapped it yet syncs with the
+    producer, then reads it here instead of through NIXL/UCX."""
+    name, _, table, _ = producer
+    table.map_pages([0])
+    reads = SameHostReads(SlowMapMemory(), "reader")
+    try:
+        assert reads.connect(name)
+        importer = reads.importer(name)
+        _wait(lambda: importer.num_mapped == 1)
+        table.map_pages([3])
+        _fill(table, 24, 7)
+        # Sent already, still being mapped by the channel thread.
+        assert importer.num_mapped == 1
+        before = same_host_stats()
+        dst = np.zeros(BLOCK, dtype=np.uint8)
+        base = table.tensors[0].data_ptr()
+        xfer = reads.make_read(
+            name, _rows(dst.ctypes.data, [0]), _rows(base, [24]), b""
+        )
+        assert xfer is not None and importer.num_mapped == 2
+        reads.transfer(xfer)
+        assert _finish(reads, xfer, []) == "DONE"
+        assert (dst == 7).all()
+        reads.release(xfer)
+        # Rows the producer never shared: one sync, then NIXL/UCX.
+        assert (
+            reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [40]), b"")
+            is None
+        )
+        after = same_host_stats()
+        assert after["fallbacks"] == before["fallbacks"] + 1
+    finally:
+        reads.close()
+
+
 class RecordingBackend(HostVmmBackend):
     """Records, at each release, how many chunks the reader still maps."""
 

@@ -42,8 +42,13 @@ gives a chunk back while a peer maps it:
    no peer holds a chunk of the segment, else refuses the unmap.
 
 A reader resolves a read against the chunks it maps at that moment and pins
-them until the copy is done; a drop waits for the pins. Rows outside the
-mapped chunks (not shared yet, or dropped) make the whole read go through
+them until the copy is done; a drop waits for the pins. The producer sends a
+chunk when it maps it, before the step that writes the chunk runs, so before
+any reader can be told of blocks in it; but the reader's channel thread may
+not have mapped it yet (a busy host). So a read with rows outside the mapped
+chunks first asks the producer to ``sync``: the answer (``synced``) comes
+after every chunk sent before it, and the channel thread maps in order. Rows
+still outside (not shared, or dropped) make the whole read go through
 NIXL/UCX, whose registrations decide (a chunk given back is no longer
 registered there either: the read fails, never reads freed memory).
 
@@ -84,6 +89,9 @@ MAX_FDS_PER_MESSAGE = 64
 _MAX_MESSAGE = 1 << 20
 _CONNECT_TIMEOUT_S = 10.0
 _SEND_TIMEOUT_S = 5.0
+# How long a read waits for the producer's answer to a sync before it goes
+# through NIXL/UCX.
+_SYNC_TIMEOUT_S = 2.0
 
 
 # What this process has done on the same-host path (read back by tests and
@@ -472,6 +480,10 @@ class ChunkExporter:
                     with self._cond:
                         peer.held.difference_update(msg["ids"])
                         self._cond.notify_all()
+                elif msg.get("op") == "sync":
+                    # After every chunk sent before (one send lock).
+                    with peer.send_lock:
+                        _send(peer.sock, {"op": "synced", "seq": msg["seq"]})
         except (OSError, ValueError, VmmError) as e:
             logger.warning("Same-host KV peer %s: channel error %s", peer.name, e)
         # Closed: the peer unmapped everything (or its process is gone).
@@ -618,6 +630,9 @@ class ChunkImporter:
         self._mapped: dict[int, _Mapped] = {}
         self._index: tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None = None
         self._send_lock = threading.Lock()
+        # Syncs asked for and answered (see sync()).
+        self._sync_asked = 0
+        self._sync_answered = 0
         boot_id, hostname = identity or host_identity()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(connect_timeout_s)
@@ -674,6 +689,10 @@ class ChunkImporter:
                     self._drop(msg["ids"])
                     with self._send_lock:
                         _send(self.sock, {"op": "dropped", "ids": msg["ids"]})
+                elif msg["op"] == "synced":
+                    with self._cond:
+                        self._sync_answered = max(self._sync_answered, msg["seq"])
+                        self._cond.notify_all()
         except Exception as e:
             self.error = e
             logger.error(
@@ -687,6 +706,7 @@ class ChunkImporter:
         with self._cond:
             self.alive = False
             ids = list(self._mapped)
+            self._cond.notify_all()  # syncs waiting
         self._drop(ids)
         self.sock.close()
 
@@ -713,6 +733,28 @@ class ChunkImporter:
                 self._mapped.pop(i, None)
         for m in victims:
             self.memory.unmap(m.addr, m.nbytes, m.state)
+
+    def sync(self, timeout_s: float = _SYNC_TIMEOUT_S) -> bool:
+        """Wait until every chunk the producer sent before now is mapped
+        (or dropped); False if the channel closed or the producer did not
+        answer within ``timeout_s``."""
+        with self._cond:
+            if not self.alive:
+                return False
+            self._sync_asked += 1
+            seq = self._sync_asked
+        try:
+            with self._send_lock:
+                _send(self.sock, {"op": "sync", "seq": seq})
+        except OSError:
+            return False
+        with self._cond:
+            return (
+                self._cond.wait_for(
+                    lambda: self._sync_answered >= seq or not self.alive, timeout_s
+                )
+                and self.alive
+            )
 
     @property
     def num_mapped(self) -> int:
@@ -981,6 +1023,8 @@ class SameHostReads:
             self._retry_if_due(agent_name)
             return None
         pinned = importer.pin(remote_rows)
+        if pinned is None and importer.sync():
+            pinned = importer.pin(remote_rows)
         if pinned is None:
             _count(fallbacks=1)
             return None
