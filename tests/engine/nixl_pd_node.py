@@ -97,6 +97,8 @@ def main() -> None:
                         help="where NIXL reads and writes the KV cache: cpu or cuda")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--extra", default="{}", help="JSON of extra LLM kwargs")
+    parser.add_argument("--connector-extra", default="{}",
+                        help="JSON of extra kv_connector_extra_config entries")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -138,7 +140,8 @@ def main() -> None:
             # test machine can take longer than the default 30 s between the two; an
             # expired lease frees the blocks (with VMM-backed KV, possibly their pages
             # too) and the read then fails by design, which is not what this checks.
-            kv_connector_extra_config={"kv_lease_duration": LEASE_S},
+            kv_connector_extra_config={"kv_lease_duration": LEASE_S,
+                                       **json.loads(args.connector_extra)},
         )
     llm = LLM(**kwargs)
     if args.role == "decode":

@@ -62,8 +62,10 @@ def run_single(model: Path, workdir: Path, backend: str = "default") -> dict:
 
 def run_disaggregated(model: Path, workdir: Path, backend: str,
                       prefill_extra: dict | None = None,
-                      decode_extra: dict | None = None) -> tuple[dict, dict]:
-    return node.run_disaggregated(model, workdir, _prompts(), backend, _env, NODE_ARGS,
+                      decode_extra: dict | None = None,
+                      connector_extra: dict | None = None) -> tuple[dict, dict]:
+    args = [*NODE_ARGS, "--connector-extra", json.dumps(connector_extra or {})]
+    return node.run_disaggregated(model, workdir, _prompts(), backend, _env, args,
                                   prefill_extra, decode_extra, timeout=TIMEOUT)
 
 
@@ -122,6 +124,21 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
         assert after_first["kv_pages_mapped_total"] == start["kv_pages_mapped_total"]
         assert after_second["kv_pages_mapped_total"] > after_first["kv_pages_mapped_total"]
         assert after_second["kv_mapped_bytes_peak"] >= 3 * start["page_bytes"]
+
+
+def test_disaggregated_vmm_kv_through_ucx_with_the_same_host_path_off(pd_model, reference,
+                                                                     tmp_path):
+    """VMM-backed KV on both instances, kv_connector_extra_config {"vmm_same_host": false}:
+    every read goes through NIXL/UCX (as between hosts), against the registrations of the
+    prefill instance's mapped segments, fetched again when the second wave mapped more."""
+    prefill, decode = run_disaggregated(pd_model, tmp_path, "vmm",
+                                        connector_extra={"vmm_same_host": False})
+    _check(reference, prefill, decode)
+    same_host = _same_host_reads(decode)
+    assert same_host["channels"] == 0 and same_host["reads"] == 0, same_host
+    second = json.loads((tmp_path / "params1.json").read_text())
+    assert max(t.get("remote_registration_epoch", 0) for t in second) >= 1
+    assert "same-host" not in (tmp_path / "decode.log").read_text()
 
 
 def test_disaggregated_stock_prefill_vmm_decode_reads_through_ucx(pd_model, reference,

@@ -15,11 +15,13 @@ import time
 import msgspec
 import pytest
 
+from vllm.config import KVTransferConfig
 from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 from vllm.v1.kv_vmm.nixl_connector import (
     NixlVmmScheduler,
     NixlVmmWorker,
     fetch_agent_metadata,
+    same_host_reads_enabled,
 )
 
 
@@ -239,6 +241,22 @@ def test_a_fetch_that_failed_is_tried_again_before_the_reads_fail(table):
         assert len(fetch.calls) == 6
     finally:
         worker.close()
+
+
+def test_same_host_reads_are_on_unless_the_connector_config_turns_them_off():
+    def config(extra: dict) -> KVTransferConfig:
+        return KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+
+    assert same_host_reads_enabled(config({}))
+    assert same_host_reads_enabled(config({"vmm_same_host": True}))
+    assert not same_host_reads_enabled(config({"vmm_same_host": False}))
+    assert not same_host_reads_enabled(config({"vmm_same_host": "False"}))
+    with pytest.raises(ValueError, match="'vmm_same_host'.* true or false, got 'no'"):
+        same_host_reads_enabled(config({"vmm_same_host": "no"}))
 
 
 def test_fetch_times_out_off_the_read_path():

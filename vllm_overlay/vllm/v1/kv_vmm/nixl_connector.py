@@ -53,6 +53,26 @@ logger = init_logger(__name__)
 FETCH_TIMEOUT_S = 5.0
 FETCH_ATTEMPTS = 3
 
+# kv_connector_extra_config key: whether reads of a same-host peer's
+# VMM-backed KV go through the shared-memory path (nixl_samehost).
+SAME_HOST_KEY = "vmm_same_host"
+
+
+def same_host_reads_enabled(kv_transfer_config: Any) -> bool:
+    """``kv_connector_extra_config["vmm_same_host"]``, true by default: false
+    leaves every read of VMM-backed KV to NIXL/UCX (e.g. to compare the two
+    paths, or where a host's policy forbids passing memory between
+    processes)."""
+    value = kv_transfer_config.get_from_extra_config(SAME_HOST_KEY, True)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"kv_connector_extra_config[{SAME_HOST_KEY!r}] must be true or "
+            f"false, got {value!r}"
+        )
+    return value
+
 
 def fetch_agent_metadata(path: str, request: bytes, timeout_s: float) -> bytes:
     """A peer's current NIXL agent metadata, from its side channel.
@@ -97,6 +117,8 @@ class NixlVmmWorker:
         fetch_timeout_s: how long one attempt of a background fetch may take.
         fetch_attempts: attempts of a fetch before the reads waiting for it
             fail.
+        same_host: share our chunks with same-host readers and read theirs
+            through shared memory (:func:`same_host_reads_enabled`).
 
     """
 
