@@ -20,8 +20,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,23 +121,79 @@ def lint(version: str, results: list) -> None:
     results.append((f"{version} lint (added vs pristine)", rc, counts, seconds))
 
 
-def run_release(release, tiers: list[str], results: list, slow: bool = False) -> None:
+def kernels_for(release, tiers: list[str]) -> str:
+    return os.environ.get("VLLM_KERNELS") or (
+        detect_kernels() if "gpu" in tiers else ("cpu" if release.cpu_kernels else "none"))
+
+
+def setup(release, tiers: list[str]) -> None:
+    """`make apply` and `make install` of one release (what its tiers need)."""
+    print(f"\n=== vLLM {release.version}: {apply_series(release)}", flush=True)
+    print(install(release, default_venv(release), kernels_for(release, tiers)), flush=True)
+
+
+class BackgroundSetup:
+    """`setup` of a release in a process of its own, started while the tiers of the release
+    before it run: downloads and installs mostly wait for the network and the disk, and the
+    tests rarely keep both CPUs busy. Its output is kept and printed when the release is due,
+    so the log still reads release by release."""
+
+    def __init__(self, release, tiers: list[str]) -> None:
+        self.version = release.version
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--setup-only", "--version",
+             release.version, "--tiers", ",".join(tiers)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+        self.end: float | None = None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.end = time.monotonic()
+
+    def wait(self, results: list) -> bool:
+        """Wait for it, print its output; record it in `results`. True if it succeeded."""
+        waited = time.monotonic()
+        rc = self.proc.wait()
+        waited = time.monotonic() - waited
+        self.log.seek(0)
+        sys.stdout.write(self.log.read())
+        self.log.close()
+        took = (self.end or time.monotonic()) - self.start
+        print(f"(setup of {self.version}: {took / 60:.1f} min, {waited / 60:.1f} min of it "
+              "waited for)", flush=True)
+        counts = {"passed": 0, "failed": 0 if rc == 0 else 1, "skipped": 0}
+        results.append((f"{self.version} setup (apply, install)", rc, counts, took))
+        return rc == 0
+
+
+def run_release(release, tiers: list[str], results: list, slow: bool = False,
+                prepared: BackgroundSetup | None = None,
+                when_set_up: Callable[[], None] = lambda: None) -> None:
+    """A release's tiers, after its setup (done here, or by `prepared` in the background);
+    `when_set_up` runs between the two."""
     v = release.version
     start = time.monotonic()
-    try:
-        print(f"\n=== vLLM {v}: {apply_series(release)}", flush=True)
-        kernels = os.environ.get("VLLM_KERNELS") or (
-            detect_kernels() if "gpu" in tiers else ("cpu" if release.cpu_kernels else "none"))
-        venv = default_venv(release)
-        print(install(release, venv, kernels), flush=True)
-    except SeriesError as e:
-        print(e.render(), file=sys.stderr)
-        results.append((f"{v} setup", 1, {"passed": 0, "failed": 1, "skipped": 0},
-                        time.monotonic() - start))
-        return
-    results.append((f"{v} setup (apply, install)", 0, {"passed": 0, "failed": 0, "skipped": 0},
-                    time.monotonic() - start))
-    python = str(venv / "bin" / "python")
+    if prepared is not None:
+        ok = prepared.wait(results)
+        when_set_up()
+        if not ok:
+            return
+    else:
+        try:
+            setup(release, tiers)
+        except SeriesError as e:
+            print(e.render(), file=sys.stderr)
+            results.append((f"{v} setup", 1, {"passed": 0, "failed": 1, "skipped": 0},
+                            time.monotonic() - start))
+            return
+        results.append((f"{v} setup (apply, install)", 0,
+                        {"passed": 0, "failed": 0, "skipped": 0}, time.monotonic() - start))
+        when_set_up()
+    kernels = kernels_for(release, tiers)
+    python = str(default_venv(release) / "bin" / "python")
     # Inside the build tree the sdist's vllm.egg-info (version without "+cpu") shadows the
     # installed metadata vLLM's platform detection reads; say the platform explicitly.
     env = {"VLLM_TARGET_DEVICE": "cpu"} if kernels in ("cpu", "none") else {}
@@ -173,6 +231,8 @@ def main() -> int:
     p.add_argument("--gpu", action="store_true", help="run each release's gpu_tiers")
     p.add_argument("--slow", action="store_true",
                    help="engine tier: also the cases marked slow (shapes CI covers otherwise)")
+    p.add_argument("--setup-only", action="store_true",
+                   help="only apply and install the release(s) their tiers need")
     p.add_argument("--installed", action="store_true",
                    help="test the vLLM this Python imports (e.g. after make overlay-install): "
                         "tests/gpu, tests/engine and the overlay's own tests; no apply/install")
@@ -180,10 +240,10 @@ def main() -> int:
     if args.installed:
         return test_installed()
     _, releases = load_matrix()
-    chosen = [releases[args.version]] if args.version else list(releases.values())
     if args.version and args.version not in releases:
         from seriestool import get_release
         get_release(args.version)  # raises the operator error
+    chosen = [releases[args.version]] if args.version else list(releases.values())
     results: list = []
 
     def tiers_of(r):
@@ -191,14 +251,28 @@ def main() -> int:
             return args.tiers.split(",")
         return r.gpu_tiers if args.gpu else r.ci_tiers
 
+    if args.setup_only:
+        for release in chosen:
+            setup(release, tiers_of(release))
+        return 0
+    started = time.monotonic()
+    todo = [r for r in chosen if [t for t in tiers_of(r) if t != "harness"]]
+    # Each release's setup runs in the background while the tests before it run.
+    ahead = BackgroundSetup(todo[0], tiers_of(todo[0])) if len(todo) > 1 else None
     if any("harness" in tiers_of(r) for r in chosen):
         pytest(sys.executable, ["--timeout=900", "tests/harness"], ROOT, "harness", results)
-    for release in chosen:
-        tiers = tiers_of(release)
-        if [t for t in tiers if t != "harness"]:
-            run_release(release, tiers, results, slow=args.slow)
+    for i, release in enumerate(todo):
+        prepared, ahead = ahead, None
 
-    return summarize(results)
+        def start_next(i: int = i) -> None:
+            nonlocal ahead
+            if i + 1 < len(todo):
+                ahead = BackgroundSetup(todo[i + 1], tiers_of(todo[i + 1]))
+
+        run_release(release, tiers_of(release), results, slow=args.slow, prepared=prepared,
+                    when_set_up=start_next if prepared is not None else lambda: None)
+
+    return summarize(results, time.monotonic() - started)
 
 
 def test_installed() -> int:
@@ -227,7 +301,7 @@ def _has_plugin(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def summarize(results: list) -> int:
+def summarize(results: list, wall_s: float | None = None) -> int:
     print("\n=== summary")
     total = {"passed": 0, "failed": 0, "skipped": 0}
     for label, rc, c, seconds in results:
@@ -236,7 +310,8 @@ def summarize(results: list) -> int:
               f"{c['skipped']} skipped  ({seconds / 60:.1f} min)")
         for k in total:
             total[k] += c[k]
-    minutes = sum(r[3] for r in results) / 60
+    # Setups overlap the tests before them: the run's own wall time where known.
+    minutes = (wall_s if wall_s is not None else sum(r[3] for r in results)) / 60
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped"
           f" in {minutes:.1f} min")
     return 0 if total["failed"] == 0 and total["passed"] > 0 else 1

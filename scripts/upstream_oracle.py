@@ -8,7 +8,8 @@
 Runs the test files that ci/upstream/curated.toml lists for the release (vLLM's own tests, as
 shipped in its sdist) with the release's virtualenv (`make install`), offline:
 HF_HUB_OFFLINE=1 and a hub cache of public model configs (scripts/hf_cache.py), so tests that
-build a ModelConfig from a hub id run for real. Each file runs in its own pytest process with
+build a ModelConfig from a hub id run for real. Each file runs in its own pytest process (as
+many side by side as there are CPUs; KVSERIES_UPSTREAM_JOBS=1 runs one at a time) with
 cwd = the tree under test (vLLM's tests/conftest.py and `tests.*` imports resolve there), a
 per-test timeout, and a per-file time limit; tests the curated list names as unrunnable here
 are taken out of the run and reported with their reason.
@@ -41,9 +42,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -230,6 +233,29 @@ def ensure_test_requirements(python: Path) -> None:
                                "--disable-pip-version-check", *missing])
 
 
+def _run_measured(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple:
+    """(exit code or "time limit", output, CPU seconds) of one child process. The CPU time is
+    the child's own (wait4), so files running side by side each report theirs."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    rc: int | str | None = None
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if rc is None and time.monotonic() > deadline:
+            rc = "time limit"
+            proc.kill()
+        time.sleep(0.1)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join(timeout=30)
+    return (rc or proc.returncode, "".join(chunks), usage.ru_utime + usage.ru_stime)
+
+
 def _children_cpu() -> float:
     """CPU seconds (user + system) of finished child processes: on a shared machine the wall
     time of a run says little about how long it takes on a CI runner of its own."""
@@ -258,18 +284,8 @@ def run_file(python: Path, tree: Path, test_file: str, curated: dict, env: dict,
         if not (tree / test_file).exists():
             return {test_file: "missing"}
         start = time.monotonic()
-        cpu_start = _children_cpu()
-        try:
-            proc = subprocess.run(cmd, cwd=tree, env=run_env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  timeout=curated["file_timeout"])
-            rc, output = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired as e:
-            rc = "time limit"
-            output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
-                else (e.stdout or "")
+        rc, output, cpu = _run_measured(cmd, tree, run_env, curated["file_timeout"])
         took = time.monotonic() - start
-        cpu = _children_cpu() - cpu_start
         collected: list[str] = []
         outcomes: dict[str, str] = {}
         if outcomes_file.exists():
@@ -315,14 +331,21 @@ def run_tree(release: Release, tree: Path, label: str,
     partial = build_dir() / "upstream" / f"{release.tag}-{label}-outcomes.txt"
     report = build_dir() / "upstream" / f"{release.tag}-{label}.txt"
     report.parent.mkdir(parents=True, exist_ok=True)
-    for i, test_file in enumerate(curated["files"]):
-        outcomes.update(run_file(python, tree, test_file, curated, env, messages))
-        done = curated["files"][: i + 1]
-        write_outcomes(partial, outcomes, f"vLLM {release.version} {label} tree, files run: "
-                       + " ".join(done))
-        # Why each test that did not pass failed (or is unrunnable), for the reader.
-        report.write_text("".join(f"{n} {outcomes[n]}: {messages.get(n, '').strip()}\n"
-                                  for n in sorted(outcomes) if not passes(outcomes[n])))
+    # Files run side by side, one per CPU (KVSERIES_UPSTREAM_JOBS overrides): each pytest
+    # process is mostly one busy thread, and the tests share nothing but the read-only tree.
+    jobs = max(1, int(os.environ.get("KVSERIES_UPSTREAM_JOBS") or os.cpu_count() or 1))
+    done: list[str] = []
+    with ThreadPoolExecutor(max_workers=min(jobs, len(curated["files"]) or 1)) as pool:
+        running = {pool.submit(run_file, python, tree, f, curated, env, messages): f
+                   for f in curated["files"]}
+        for fut in as_completed(running):
+            outcomes.update(fut.result())
+            done.append(running[fut])
+            write_outcomes(partial, outcomes, f"vLLM {release.version} {label} tree, files "
+                           "run: " + " ".join(f for f in curated["files"] if f in done))
+            # Why each test that did not pass failed (or is unrunnable), for the reader.
+            report.write_text("".join(f"{n} {outcomes[n]}: {messages.get(n, '').strip()}\n"
+                                      for n in sorted(outcomes) if not passes(outcomes[n])))
     print(f"  outcomes: {partial}; the ones other than passed, with the reason: {report}")
     print(f"  {label} tree: {len(outcomes)} tests in {time.monotonic() - start:.0f}s wall, "
           f"{_children_cpu() - cpu_start:.0f}s CPU", flush=True)

@@ -4,6 +4,7 @@ which tests the curated list takes out, and the `import vllm` redirect to anothe
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,20 @@ def test_plugin_records_outcomes_and_takes_unrunnable_out(tmp_path):
     }
     collected = next(r["collected"] for r in records if "collected" in r)
     assert not any("test_gpu" in n for n in collected)
+
+
+def test_run_measured_reports_the_childs_own_cpu_and_the_time_limit(tmp_path):
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    # Another child burning CPU beside it does not count towards it.
+    other = subprocess.Popen([sys.executable, "-c", burn.replace("0.3", "1.5")])
+    try:
+        rc, output, cpu = ut._run_measured([sys.executable, "-c", burn + "print('done')"],
+                                           tmp_path, dict(os.environ), timeout=60)
+    finally:
+        other.wait()
+    assert rc == 0 and output.strip() == "done"
+    assert 0.25 <= cpu < 1.2
+    rc, output, _ = ut._run_measured(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+        tmp_path, dict(os.environ), timeout=1)
+    assert rc == "time limit" and "started" in output
