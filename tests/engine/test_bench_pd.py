@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+# Two servers for the script's flow (CI time): the connector path itself, VMM-backed KV on
+# both instances included, is in test_nixl_pd_engine.py.
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 pytest.importorskip("nixl", reason="NixlConnector needs the nixl package")
 
