@@ -45,15 +45,26 @@ def series_tests(release) -> list[str]:
     return [p for p in out.split() if Path(p).name.startswith("test_") and p.endswith(".py")]
 
 
+def timed_call(cmd: list[str], **kwargs) -> tuple[int, float]:
+    """(exit code, wall seconds) of a command."""
+    start = time.monotonic()
+    rc = subprocess.call(cmd, **kwargs)
+    return rc, time.monotonic() - start
+
+
+def setup_result(version: str, rc: int, seconds: float) -> tuple:
+    """The summary row of a release's setup."""
+    counts = {"passed": 0, "failed": 0 if rc == 0 else 1, "skipped": 0}
+    return (f"{version} setup (apply, install)", rc, counts, seconds)
+
+
 def pytest(python: str, args: list[str], cwd: Path, label: str, results: list,
            env: dict | None = None) -> None:
     with tempfile.NamedTemporaryFile(suffix=".xml", delete=False) as f:
         xml = f.name
     cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
     print(f"\n=== {label}: {' '.join(cmd)}  (in {cwd})", flush=True)
-    start = time.monotonic()
-    rc = subprocess.call(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})})
-    seconds = time.monotonic() - start
+    rc, seconds = timed_call(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})})
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     try:
         for suite in ET.parse(xml).getroot().iter("testsuite"):
@@ -81,9 +92,7 @@ def upstream(version: str, results: list) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "upstream_oracle.py"), "--version", version,
            "--ci", "--summary-json", str(summary)]
     print(f"\n=== {version} upstream: {' '.join(cmd)}", flush=True)
-    start = time.monotonic()
-    rc = subprocess.call(cmd)
-    seconds = time.monotonic() - start
+    rc, seconds = timed_call(cmd)
     try:
         counts = json.loads(summary.read_text())
     except (json.JSONDecodeError, FileNotFoundError):
@@ -104,9 +113,7 @@ def lint(version: str, results: list) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "lint.py"), "--version", version,
            "--summary-json", str(summary)]
     print(f"\n=== {version} lint: {' '.join(cmd)}", flush=True)
-    start = time.monotonic()
-    rc = subprocess.call(cmd)
-    seconds = time.monotonic() - start
+    rc, seconds = timed_call(cmd)
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     try:
         for check in json.loads(summary.read_text()):
@@ -164,8 +171,7 @@ class BackgroundSetup:
         took = (self.end or time.monotonic()) - self.start
         print(f"(setup of {self.version}: {took / 60:.1f} min, {waited / 60:.1f} min of it "
               "waited for)", flush=True)
-        counts = {"passed": 0, "failed": 0 if rc == 0 else 1, "skipped": 0}
-        results.append((f"{self.version} setup (apply, install)", rc, counts, took))
+        results.append(setup_result(self.version, rc, took))
         return rc == 0
 
 
@@ -186,11 +192,9 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False,
             setup(release, tiers)
         except SeriesError as e:
             print(e.render(), file=sys.stderr)
-            results.append((f"{v} setup", 1, {"passed": 0, "failed": 1, "skipped": 0},
-                            time.monotonic() - start))
+            results.append(setup_result(v, 1, time.monotonic() - start))
             return
-        results.append((f"{v} setup (apply, install)", 0,
-                        {"passed": 0, "failed": 0, "skipped": 0}, time.monotonic() - start))
+        results.append(setup_result(v, 0, time.monotonic() - start))
         when_set_up()
     kernels = kernels_for(release, tiers)
     python = str(default_venv(release) / "bin" / "python")
@@ -270,7 +274,7 @@ def main() -> int:
                 ahead = BackgroundSetup(todo[i + 1], tiers_of(todo[i + 1]))
 
         run_release(release, tiers_of(release), results, slow=args.slow, prepared=prepared,
-                    when_set_up=start_next if prepared is not None else lambda: None)
+                    when_set_up=start_next)
 
     return summarize(results, time.monotonic() - started)
 
