@@ -62,7 +62,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from bench_items import (  # noqa: E402
     Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_sharing,
-    item_tp2_startup,
+    item_tp2_startup, sharing_modes,
 )
 from bench_report import merge_item, render_results  # noqa: E402
 
@@ -185,6 +185,9 @@ def main() -> None:
                    "default KV backend)")
     p.add_argument("--kvcached-env", action="append", default=[], metavar="KEY=VALUE",
                    help="item 7: environment of the kvcached servers (repeatable)")
+    p.add_argument("--sharing-modes", metavar="LIST",
+                   help="item 7: comma-separated modes, run in this order (default "
+                   "static,shared and, on CUDA, kvcached)")
     args = p.parse_args()
     items = parse_items(args.items)
     budget = Budget(args.budget_s)
@@ -198,6 +201,8 @@ def main() -> None:
     device = args.device or ("cuda" if probe["gpus"] else "cpu")
     if device == "cuda" and not probe["gpus"]:
         raise SystemExit("--device cuda: no CUDA device visible")
+    if "sharing" in items:
+        sharing_modes(args.sharing_modes, device)  # a bad list stops before anything runs
     prof = json.loads(json.dumps(PROFILES["cpu" if device == "cpu" else
                                           "cuda-quick" if args.quick else "cuda"]))
     if args.repeats:
@@ -261,7 +266,7 @@ def main() -> None:
                                                args.serve_tp, budget))
     if "sharing" in engine_items:
         record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
-                                       args.kvcached_env))
+                                       args.kvcached_env, args.sharing_modes))
     # Every item of this run shares `info`: the suite's wall time goes into each one's run.
     info["suite_s"] = round(budget.elapsed(), 1)
     results_path.write_text(json.dumps(results, indent=1))

@@ -347,17 +347,30 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
 
 SHARING_SCRIPT = SCRIPTS / "bench_sharing.py"
 SHARING_STATS = ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "peaks_output_tok_s",
-                 "single_output_tok_s")
+                 "single_output_tok_s", "single_ttft_mean_ms")
+
+
+def sharing_modes(text: str | None, device: str) -> list[str]:
+    """Item 7's modes in the order given (default: static, shared, and kvcached on CUDA)."""
+    if text is None:
+        return ["static", "shared"] + (["kvcached"] if device == "cuda" else [])
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    known = ("static", "shared") + (("kvcached",) if device == "cuda" else ())
+    bad = [m for m in modes if m not in known]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise SystemExit(f"--sharing-modes {text!r}: give each of {', '.join(known)} at "
+                         f"most once, comma-separated (kvcached needs a CUDA device)")
+    return modes
 
 
 def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path: str | None,
-                 kvcached_env: list[str]) -> dict:
+                 kvcached_env: list[str], modes_text: str | None = None) -> dict:
     """scripts/bench_sharing.py once per mode: N engines on one device behind their own
     servers; static split (stock), shared VMM KV (this series), kvcached (if installed)."""
+    modes = sharing_modes(modes_text, device)
     sharing = prof["sharing"]
     model = model_dir(sharing["model"], out)
     result: dict = {"model": sharing["model"], "engines": sharing["engines"], "modes": {}}
-    modes = ["static", "shared"] + (["kvcached"] if device == "cuda" else [])
     for mode in modes:
         js = out / f"sharing_{mode}.json"
         log = runner.logs / f"sharing_{mode}.log"

@@ -204,8 +204,12 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
     what = {"peaks_ttft_mean_ms": "peaks: TTFT mean (ms)",
             "peaks_ttft_p99_ms": "peaks: TTFT p99 (ms)",
             "peaks_output_tok_s": "peaks: output tokens/s",
-            "single_output_tok_s": "one engine busy: output tokens/s"}
+            "single_output_tok_s": "one engine busy: output tokens/s",
+            "single_ttft_mean_ms": "one engine busy: TTFT mean (ms)"}
     target = {"peaks_ttft_mean_ms": "sharing-ttft", "single_output_tok_s": "sharing-single"}
+    # Results written before a statistic was recorded lack it.
+    what = {k: v for k, v in what.items()
+            if all(k in m for m in modes.values() if "not_measured" not in m)}
     for key, label in what.items():
         if not measured:
             continue

@@ -95,3 +95,33 @@ def test_report_puts_the_modes_side_by_side():
     data["modes"]["kvcached"] = {"not_measured": "exit 1: no kvcached"}
     md = render_results({"items": {"sharing": data}})
     assert "kvcached not measured: exit 1: no kvcached" in md
+
+
+def test_the_one_engine_busy_ttft_row_needs_it_in_every_measured_mode():
+    run = {"date": "d", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
+           "command": "python3 scripts/bench.py --items sharing", "gpu": "GPU",
+           "device": "cuda"}
+    modes = {"static": _mode(2000.0, 8000.0, 1000.0, 1500.0, "/stock"),
+             "shared": _mode(400.0, 1500.0, 1200.0, 1470.0)}
+    for m, ttft in zip(modes.values(), (300.0, 450.0)):
+        m["single_ttft_mean_ms"] = {"median": ttft, "min": ttft, "max": ttft, "runs": [ttft]}
+    data = {"model": "Llama-3.1-8B-Instruct", "engines": 3, "run": run, "modes": modes}
+    md = render_results({"items": {"sharing": data}})
+    row = next(line for line in md.splitlines() if "one engine busy: TTFT mean" in line)
+    assert "| 300.0 [300.0..300.0] | 450.0 [450.0..450.0] | 1.500 |" in row
+    # Results from before the statistic was recorded: no row, no error.
+    del modes["static"]["single_ttft_mean_ms"]
+    md = render_results({"items": {"sharing": data}})
+    assert "one engine busy: TTFT mean" not in md and "one engine busy: output" in md
+
+
+def test_sharing_modes_run_in_the_order_given():
+    from bench_items import sharing_modes
+
+    assert sharing_modes(None, "cuda") == ["static", "shared", "kvcached"]
+    assert sharing_modes(None, "cpu") == ["static", "shared"]
+    assert sharing_modes("shared, kvcached,static", "cuda") == ["shared", "kvcached", "static"]
+    assert sharing_modes("shared", "cpu") == ["shared"]
+    for bad in ("shared,shared", "kvcached", "", "static,bogus"):
+        with pytest.raises(SystemExit, match="--sharing-modes"):
+            sharing_modes(bad, "cpu")
