@@ -5,13 +5,20 @@ handed out once every rank reported them, a page some rank could not map is
 given up and asked for again after a backoff, and engines sharing a device
 map beyond their floor only what its ledger shows as free."""
 
+import os
+import time
+
 import pytest
 
 from vllm.v1.kv_vmm import ledger as ledger_module
-from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+from vllm.v1.kv_vmm.ledger import STAMP_SETTLE_S, KVMemoryLedger, stamp_is_settled
 from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
 from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
-from vllm.v1.kv_vmm.scheduler import MAP_RETRY_MIN_S, PagedBlockPool
+from vllm.v1.kv_vmm.scheduler import (
+    LEDGER_FULL_READ_INTERVAL_S,
+    MAP_RETRY_MIN_S,
+    PagedBlockPool,
+)
 
 BPP = 4
 PAGE = 1 << 20
@@ -220,3 +227,66 @@ def test_a_busy_engine_gives_its_peak_memory_back_after_the_delay(ledger_dir):
     a.free_blocks(trickle)
     a.close()
     b.close()
+
+
+def test_a_ledger_nobody_wrote_is_not_parsed_again_within_the_full_read_interval(
+    monkeypatch,
+):
+    """The pool reads its ledger every few steps; a ``stat`` tells it whether
+    anybody wrote it since, and only then (or once a full read interval has
+    passed, to drop engines that died) is it locked and parsed again."""
+    a, _ = make_pool(
+        num_ranks=1,
+        ledger=KVLedgerOptions(
+            devices={"host": PAGE}, capacity_bytes=8 * PAGE, name="a"
+        ),
+    )
+    share = a._share
+    ledger = share.ledgers[0][0]
+    reads = []
+    real_read = KVMemoryLedger.read
+
+    def counting_read(self):
+        reads.append(self.key)
+        return real_read(self)
+
+    monkeypatch.setattr(KVMemoryLedger, "read", counting_read)
+    now = time.time()
+    share.wall_clock = lambda: now
+
+    def backdate() -> None:
+        os.utime(ledger.path, (now - 10, now - 10))
+
+    backdate()
+    share.read()
+    assert len(reads) == 1 and share.room_pages == 5  # 8 - the 3 a maps
+    share.read()
+    share.read()
+    assert len(reads) == 1  # nobody wrote it: not parsed again
+    # Another engine joins: its write changes the stamp, seen at once.
+    KVMemoryLedger("host").join(
+        capacity_bytes=8 * PAGE, name="b", mapped_bytes=2 * PAGE, floor_bytes=2 * PAGE
+    )
+    share.read()
+    assert len(reads) == 2 and share.room_pages == 3
+    # That write is within a tick of the file clock of now: a write after
+    # the read could leave the same stamp, so the next read parses again.
+    share.read()
+    assert len(reads) == 3
+    backdate()
+    share.read()
+    share.read()
+    assert len(reads) == 4
+    # Once the full read interval has passed, it is parsed again anyway.
+    now += LEDGER_FULL_READ_INTERVAL_S
+    share.read()
+    assert len(reads) == 5
+    a.close()
+
+
+def test_a_settled_stamp_is_older_than_a_tick_of_the_file_clock():
+    stamp = (1, 100, int(50.0 * 1e9))
+    assert stamp_is_settled(stamp, 50.0 + STAMP_SETTLE_S + 0.001)
+    assert not stamp_is_settled(stamp, 50.0 + STAMP_SETTLE_S / 2)
+    assert not stamp_is_settled(stamp, 49.0)  # written "after" the clock read
+    assert not stamp_is_settled(None, 50.0)

@@ -233,6 +233,16 @@ class KVMemoryLedger:
         finally:
             os.close(fd)
 
+    def file_stamp(self) -> tuple[int, int, int] | None:
+        """(inode, size, modification time in ns) of the ledger file, None if
+        there is none: one ``stat`` that tells a reader whether anybody wrote
+        the ledger since it last read it (see :func:`stamp_is_settled`)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
     def read(self) -> LedgerState | None:
         """The ledger now (dead engines dropped), None if there is none."""
         with self._locked(create=False) as state:
@@ -344,6 +354,19 @@ class KVMemoryLedger:
             state.measured_by = [pid, process_start_time(pid)]
             result = state.capacity_bytes
         return result
+
+
+#: A ledger file's stamp tells it apart from a later write only once its
+#: modification time is this much older than the clock: file times advance
+#: in coarse ticks (a few ms), so two writes in one tick may leave equal
+#: stamps when the size did not change either.
+STAMP_SETTLE_S = 0.05
+
+
+def stamp_is_settled(stamp: tuple[int, int, int] | None, now: float) -> bool:
+    """Whether a write after ``stamp`` was taken at wall-clock time ``now``
+    would change the stamp."""
+    return stamp is not None and now - stamp[2] / 1e9 > STAMP_SETTLE_S
 
 
 def find_entry(state: LedgerState, ident: str) -> LedgerEntry:
