@@ -4,6 +4,8 @@
 KVCacheTensor (each layer laid out by its attention backend), over real
 Linux memory (the host backend)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MLAAttentionSpec,
 )
+from vllm.v1.kv_vmm.backend import VmmError
+from vllm.v1.kv_vmm.page_status import create_page_status
 from vllm.v1.kv_vmm.pages import KVPageOps, make_kv_page_policy
 from vllm.v1.kv_vmm.worker import (
     allocate_vmm_kv_tensors,
@@ -173,6 +177,69 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
         assert mapper.stats() == before and len(registered) == 1
     finally:
         mapper.close()
+
+
+@per_tensor_release
+@requires_vmm_kv_wiring
+def test_with_a_page_report_pages_are_mapped_ahead_on_a_thread_of_their_own():
+    """With a page report (engines sharing a device) the scheduler hands out
+    pages mapped ahead only once every rank reported them, so the worker's
+    thread does not wait for their maps: they run on a thread of their own
+    while the worker goes on with the step."""
+    config = per_tensor_config(1000)
+    cache_config = CacheConfig(
+        kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1
+    )
+    policy = make_kv_page_policy(cache_config, [config])
+    status = create_page_status(4, tag="ahead-thread")
+    policy.page_status_path = status.path
+    config.kv_page_policy = policy
+    _, mapper = allocate_vmm_kv_tensors(config, torch.device("cpu"), {"l0": 2, "l1": 1})
+    try:
+        page = policy.page_bytes
+        backend = mapper.table.backend
+        real_create = backend.create
+        go = threading.Event()
+        threads: list[str] = []
+
+        def slow_create(nbytes: int) -> object:
+            threads.append(threading.current_thread().name)
+            assert go.wait(10)
+            return real_create(nbytes)
+
+        backend.create = slow_create
+        mapper.apply_ahead(KVPageOps(ahead=[2]))
+        mapper.apply_ahead(KVPageOps(ahead=[3]))  # queued behind it
+        # Back at once: pages 2 and 3 are being mapped elsewhere, unreported.
+        assert mapper.mapped_bytes == 2 * page
+        assert status.counts(2) == status.counts(3) == (0, 0)
+        go.set()
+        mapper.wait_for_ahead_maps()
+        assert mapper.mapped_bytes == 4 * page
+        assert status.counts(2) == status.counts(3) == (1, 0)
+        assert threads and {t.split("_")[0] for t in threads} == {"kv-page-map"}
+
+        # The worker's own unmaps (and maps) follow a batch still running.
+        mapper.apply(KVPageOps(unmap=[3]))
+        go.clear()
+        mapper.apply_ahead(KVPageOps(ahead=[3]))
+        threading.Timer(0.3, go.set).start()
+        mapper.apply(KVPageOps(unmap=[2]))
+        assert mapper.mapped_bytes == 3 * page  # 3 mapped, then 2 unmapped
+        assert mapper.stats()["kv_pages_mapped_ahead_total"] == 3
+
+        # A driver error on the map thread is raised on the worker's thread.
+        def failing_create(nbytes: int) -> object:
+            raise VmmError("cuMemCreate failed: CUDA_ERROR_UNKNOWN")
+
+        backend.create = failing_create
+        mapper.apply_ahead(KVPageOps(ahead=[2]))
+        with pytest.raises(VmmError, match="CUDA_ERROR_UNKNOWN"):
+            mapper.wait_for_ahead_maps()
+        backend.create = real_create
+    finally:
+        mapper.close()
+        status.close(unlink=True)
 
 
 @per_tensor_release

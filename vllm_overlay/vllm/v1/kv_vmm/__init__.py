@@ -17,11 +17,16 @@ block pool needs it, and given back when it does not.
 
 Thread-safety contract
 ----------------------
-* No background thread is needed or started: the owner of the page table
-  (a worker's model-runner thread) applies map/unmap synchronously before
-  the forward pass that needs the pages. (NixlConnector's same-host path,
-  :mod:`vllm.v1.kv_vmm.nixl_samehost`, runs channel threads of its own; they
-  only export chunks it tracks as mapped and not being unmapped.)
+* The owner of the page table (a worker's model-runner thread) applies
+  map/unmap synchronously before the forward pass that needs the pages.
+  Pages mapped ahead of demand are mapped on that thread right after the
+  forward pass is launched, or, where the scheduler waits for every rank's
+  report before handing them out (engines sharing a device), on one thread
+  of the worker's own (``KVPageMapper``): the owner's next maps and unmaps
+  wait for that batch, and a driver error there is raised on the owner's
+  thread. (NixlConnector's same-host path, :mod:`vllm.v1.kv_vmm.nixl_samehost`,
+  runs channel threads of its own; they only export chunks it tracks as
+  mapped and not being unmapped.)
 * ``KVPageTable.map_pages``, ``unmap_pages``, ``close``, ``mapped_pages`` and
   ``segments`` are serialized by one internal lock, so another thread (e.g. a
   KV connector's transfer thread) may read the mapped state while the owner

@@ -77,6 +77,10 @@ class VmmBackend(ABC):
     def set_access(self, va: int, nbytes: int) -> None:
         """Grant read/write access over a run of adjacent mappings."""
 
+    def bind_thread(self) -> None:  # noqa: B027 - optional hook
+        """Make the backend usable from the calling thread, one other than
+        the thread that created it. Nothing to do for host memory."""
+
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait until no queued work can still touch memory about to be
         unmapped. Host memory is accessed synchronously: nothing to wait for.

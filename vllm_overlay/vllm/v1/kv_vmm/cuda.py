@@ -200,6 +200,13 @@ class CudaVmmBackend(VmmBackend):
             f"cuMemSetAccess({va:#x}, {nbytes})",
         )
 
+    def bind_thread(self) -> None:
+        """A thread with no current context gets the primary one, as at
+        construction (a thread that has one keeps it)."""
+        drv = self._drv
+        if int(self._check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
+            self._check(drv.cuCtxSetCurrent(self._primary_ctx), "cuCtxSetCurrent")
+
     def synchronize(self) -> None:
         torch.accelerator.synchronize(self.device)
 

@@ -10,6 +10,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -121,6 +122,19 @@ class KVPageMapper:
             from vllm.v1.kv_vmm.page_status import KVPageStatus
 
             self.status = KVPageStatus(policy.page_status_path)
+        # With a page report the scheduler hands out pages mapped ahead only
+        # once every rank reported them, so nothing waits for them: a thread
+        # of their own maps them while this one runs the steps (the driver
+        # calls release the GIL). Without one they are used at the next
+        # step, and are mapped on this thread behind the forward pass.
+        self._ahead_thread: ThreadPoolExecutor | None = None
+        self._ahead_batches: list[Future[None]] = []
+        if self.status is not None and self.maps_ahead_after_forward:
+            self._ahead_thread = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="kv-page-map",
+                initializer=backend.bind_thread,
+            )
         self.apply(KVPageOps(map=initial_kv_pages(policy)))
         logger.info(
             "VMM-backed KV cache: %d virtual blocks (%.2f GiB reserved), "
@@ -170,15 +184,24 @@ class KVPageMapper:
         (and those mapped ahead, see :attr:`maps_ahead_after_forward`); the
         device is synchronized before unmapping."""
         start = time.perf_counter()
+        needed = [*sorted(self._owed), *ops.map]
+        ahead_here = bool(ops.ahead) and not self.maps_ahead_after_forward
+        if ops.unmap or needed or ahead_here:
+            # After the batch being mapped ahead, which may still run; the
+            # scheduler unmaps only pages every rank reported mapped.
+            self.wait_for_ahead_maps()
+        elif any(batch.done() for batch in self._ahead_batches):
+            self.wait_for_ahead_maps()  # raises what mapping one raised
+        else:
+            return
         if ops.unmap:
             unmapped = self.table.unmap_pages(self._table_pages(ops.unmap))
             self.num_pages_unmapped_total += len(unmapped)
             self._owed.difference_update(ops.unmap)
-        pages = [*sorted(self._owed), *ops.map]
-        if pages:
-            self._map_needed(pages)
+        if needed:
+            self._map_needed(needed)
             self._owed.clear()
-        if ops.ahead and not self.maps_ahead_after_forward:
+        if ahead_here:
             self._map_ahead(ops.ahead)
         self.map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
@@ -237,15 +260,39 @@ class KVPageMapper:
     def apply_ahead(self, ops: KVPageOps) -> None:
         """After the forward pass is launched: map the pages the scheduler
         hands out from the next step on. Nothing in flight uses them, so the
-        driver calls overlap the device's work instead of delaying it."""
+        driver calls overlap the device's work instead of delaying it (and,
+        with a page report, this thread's work too: see ``_ahead_thread``)."""
         if not ops.ahead or not self.maps_ahead_after_forward:
             return
+        if self._ahead_thread is None:
+            self._map_ahead_timed(ops.ahead)
+            return
+        # One thread: the batches are mapped in the scheduler's order.
+        self._ahead_batches.append(
+            self._ahead_thread.submit(self._map_ahead_timed, list(ops.ahead))
+        )
+
+    def _map_ahead_timed(self, pages: list[int]) -> None:
         start = time.perf_counter()
-        self._map_ahead(ops.ahead)
+        self._map_ahead(pages)
         self.ahead_map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
+    def wait_for_ahead_maps(self) -> None:
+        """Until the pages being mapped ahead are (raises what mapping them
+        raised: a driver error other than a lack of memory)."""
+        batches, self._ahead_batches = self._ahead_batches, []
+        errors: list[Exception] = []
+        for batch in batches:
+            try:
+                batch.result()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     def stats(self) -> dict[str, float]:
+        self.wait_for_ahead_maps()
         pps = self.geometry.pages_per_segment
         return {
             "kv_mapped_bytes": self.mapped_bytes,
@@ -259,6 +306,9 @@ class KVPageMapper:
         }
 
     def close(self) -> None:
+        if self._ahead_thread is not None:
+            self._ahead_thread.shutdown(wait=True)
+            self._ahead_batches = []
         self.table.close()
         if self.status is not None:
             self.status.close()
