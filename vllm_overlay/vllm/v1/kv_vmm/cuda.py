@@ -79,13 +79,14 @@ class CudaVmmBackend(VmmBackend):
         #   would ask the current context about the address.
         #
         # Later calls (map, unmap, set_access) come from the worker's thread,
-        # which runs PyTorch on this device; they make nothing context-bound
-        # either, and a driver error is raised as a VmmError naming the call.
+        # which runs PyTorch on this device, or from its page-map thread
+        # (bind_thread, the same rule as here); they make nothing
+        # context-bound either, and a driver error is raised as a VmmError
+        # naming the call.
         self._primary_ctx = self._check(
             drv.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain"
         )
-        if int(self._check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
-            self._check(drv.cuCtxSetCurrent(self._primary_ctx), "cuCtxSetCurrent")
+        self.bind_thread()
         self._cu_device = cu_device
 
         attr = drv.CUdevice_attribute
@@ -201,8 +202,8 @@ class CudaVmmBackend(VmmBackend):
         )
 
     def bind_thread(self) -> None:
-        """A thread with no current context gets the primary one, as at
-        construction (a thread that has one keeps it)."""
+        """A thread with no current context gets the primary one (a thread
+        that has one keeps it; see __init__)."""
         drv = self._drv
         if int(self._check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
             self._check(drv.cuCtxSetCurrent(self._primary_ctx), "cuCtxSetCurrent")

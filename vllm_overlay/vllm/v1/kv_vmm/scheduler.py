@@ -131,6 +131,7 @@ class _DeviceShare:
         """Refresh the free room and the limit (in pages) from the ledgers
         (those nobody wrote since the last read are skipped)."""
         now = self.wall_clock()
+        # A list, not a generator: every ledger's stamp is taken before the read.
         if all([self._unchanged(ledger, now) for ledger, _, _ in self.ledgers]):
             return
         room, limit = None, None
