@@ -186,14 +186,12 @@ class KVPageMapper:
         start = time.perf_counter()
         needed = [*sorted(self._owed), *ops.map]
         ahead_here = bool(ops.ahead) and not self.maps_ahead_after_forward
-        if ops.unmap or needed or ahead_here:
-            # After the batch being mapped ahead, which may still run; the
-            # scheduler unmaps only pages every rank reported mapped.
-            self.wait_for_ahead_maps()
-        elif any(batch.done() for batch in self._ahead_batches):
-            self.wait_for_ahead_maps()  # raises what mapping one raised
-        else:
+        if not (ops.unmap or needed or ahead_here):
+            self.wait_for_ahead_maps(finished_only=True)  # raises their errors
             return
+        # After the batches being mapped ahead, which may still run; the
+        # scheduler unmaps only pages every rank reported mapped.
+        self.wait_for_ahead_maps()
         if ops.unmap:
             unmapped = self.table.unmap_pages(self._table_pages(ops.unmap))
             self.num_pages_unmapped_total += len(unmapped)
@@ -278,10 +276,16 @@ class KVPageMapper:
         self.ahead_map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
-    def wait_for_ahead_maps(self) -> None:
+    def wait_for_ahead_maps(self, finished_only: bool = False) -> None:
         """Until the pages being mapped ahead are (raises what mapping them
-        raised: a driver error other than a lack of memory)."""
-        batches, self._ahead_batches = self._ahead_batches, []
+        raised: a driver error other than a lack of memory); with
+        ``finished_only``, take in the batches already done, wait for none."""
+        batches: list[Future[None]] = []
+        running: list[Future[None]] = []
+        for batch in self._ahead_batches:
+            done = not finished_only or batch.done()
+            (batches if done else running).append(batch)
+        self._ahead_batches = running
         errors: list[Exception] = []
         for batch in batches:
             try:
