@@ -145,14 +145,20 @@ def test_two_engines_share_a_device_ledger(ledger_dir):
     a.clock.now += 1
     assert a.get_num_free_blocks() == 0 and a.take_page_ops() is None
     assert ledger.read().free_bytes == 0
-    # b gives its ahead pages back when idle (shrink delay 0): the ledger
-    # shows them free and a's next burst maps them.
-    ops = b.take_page_ops()
-    assert ops.unmap == [2]
+    # Idle, b keeps its floor mapped (shrink delay 0): the ledger reserves
+    # it for b anyway, and b's next burst does not wait for the driver.
+    assert b.take_page_ops() is None
+    assert find(ledger, "b").mapped_bytes == 3 * PAGE
     a.clock.now += 1
-    assert a.get_num_free_blocks() == 0  # b's floor stays reserved for b
-    # With a lower floor, b keeps only what it maps (2 pages): one is free.
+    assert a.get_num_free_blocks() == 0
+    # With a lower floor (the ledger CLI), the idle b gives back what is
+    # beyond it and its headroom (page 2) within a ledger read: a maps it.
+    assert b.page_step_due_in() == LEDGER_FULL_READ_INTERVAL_S
     ledger.update(find_id(ledger, "b"), floor_bytes=PAGE)
+    b.clock.now += 1
+    assert b.page_step_due_in() == 0.0
+    assert b.take_page_ops().unmap == [2]
+    assert b.page_step_due_in() is None
     a.clock.now += 1
     assert a.get_num_free_blocks() == BPP
     ops = a.take_page_ops()

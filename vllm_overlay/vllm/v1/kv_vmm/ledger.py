@@ -21,7 +21,8 @@ Policy (first come, first served, with floors and caps):
 * An engine's floor is reserved for it: it may always map up to its floor.
   Beyond the floor it maps only what the ledger shows as free, i.e.
   ``capacity`` minus every other engine's ``max(mapped, floor)`` minus its
-  own mapped bytes, and never more than its limit.
+  own mapped bytes, and never more than its limit. An idle engine keeps its
+  floor mapped: giving it back would free nothing for the others.
 * Entries of engines whose process is gone (pid not alive, or alive with
   another start time: a reused pid) are dropped by whoever opens the ledger
   next; the file is removed when its last entry leaves.

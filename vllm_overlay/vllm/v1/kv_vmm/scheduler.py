@@ -23,11 +23,12 @@ behind the short forward pass of the first request after an idle period.
 Sharing a device (``KVPagePolicy.ledger``): the pool records what it maps
 in each device's :class:`KVMemoryLedger` and maps beyond its floor only what
 the ledger shows as free; a limit set there (by the ledger CLI) becomes the
-page limit. Pages mapped ahead are then handed out only once every rank
-reported them mapped (``KVPagePolicy.page_status_path``): a page that some
-rank could not map is unmapped again, and unmapped pages count as not
-available (requests wait or are preempted, as with a full pool) until a
-retry after a backoff.
+page limit. Idle, it keeps its floor mapped (reserved for it in the ledger
+anyway), so its next burst does not start by waiting for the driver. Pages
+mapped ahead are then handed out only once every rank reported them mapped
+(``KVPagePolicy.page_status_path``): a page that some rank could not map is
+unmapped again, and unmapped pages count as not available (requests wait or
+are preempted, as with a full pool) until a retry after a backoff.
 """
 
 import time
@@ -96,6 +97,10 @@ class _DeviceShare:
             for b in self.devices.values()
         ]
         self.floor_bytes = sum(floors)
+        # Pages every device's floor covers: an idle engine keeps them.
+        self.floor_pages = min(
+            (f // b for f, b in zip(floors, self.devices.values())), default=0
+        )
         self.room_pages = 0
         self.limit_pages: int | None = None
         self.states: dict[str, Any] = {}
@@ -134,7 +139,7 @@ class _DeviceShare:
         # A list, not a generator: every ledger's stamp is taken before the read.
         if all([self._unchanged(ledger, now) for ledger, _, _ in self.ledgers]):
             return
-        room, limit = None, None
+        room, limit, floor = None, None, None
         for ledger, entry_id, page_bytes in self.ledgers:
             state = ledger.read()
             entry = state.entry(entry_id) if state is not None else None
@@ -144,11 +149,15 @@ class _DeviceShare:
             self.states[ledger.key] = state.to_json()
             pages = state.room(entry_id) // page_bytes
             room = pages if room is None else min(room, pages)
+            pages = entry.floor_bytes // page_bytes
+            floor = pages if floor is None else min(floor, pages)
             if entry.limit_bytes is not None:
                 pages = max(1, entry.limit_bytes // page_bytes)
                 limit = pages if limit is None else min(limit, pages)
         self.room_pages = room if room is not None else 0
         self.limit_pages = limit
+        if floor is not None:
+            self.floor_pages = floor
 
     def grow(self, num_pages: int, force: bool) -> int:
         """Record up to ``num_pages`` more on every device; the pages all of
@@ -455,7 +464,7 @@ class PagedBlockPool(BlockPool):
         elif shrink_due_in == 0.0:
             # Keep the lowest free pages as headroom: pages stay compact.
             free = self._free_pages()
-            self._unmap(free[: max(len(free) - policy.headroom_pages, 0)])
+            self._unmap(free[: self._idle_surplus(len(free))])
         elif self._busy_trim_due():
             self._unmap(self._surplus_pages())
             self._surplus_since = None
@@ -524,12 +533,32 @@ class PagedBlockPool(BlockPool):
         now = self.clock()
         if self._idle_since is None:
             self._idle_since = now
-        if (
-            self.policy.shrink != "idle"
-            or len(self._free_pages()) <= self.policy.headroom_pages
-        ):
+        if self.policy.shrink != "idle":
+            return None
+        if self._share is not None:
+            self._read_ledger()  # the floor (a stat when nobody wrote it)
+        num_free = len(self._free_pages())
+        if self._idle_surplus(num_free) <= 0:
+            if self._share is not None and num_free > self.policy.headroom_pages:
+                # Its floor keeps them: look at the ledger again in a while
+                # (an operator may lower the floor or the limit).
+                return LEDGER_FULL_READ_INTERVAL_S
             return None
         return max(self.policy.shrink_delay_s - (now - self._idle_since), 0.0)
+
+    def _idle_surplus(self, num_free: int) -> int:
+        """How many of ``num_free`` free pages an idle pool gives back: those
+        beyond the headroom and, with a device ledger, beyond its floor.
+
+        The ledger keeps an engine's floor from the other engines whether
+        it maps it or not, so an idle engine keeps its floor mapped (by
+        default its startup mapping: a step's worth) and its first burst
+        after an idle period does not wait for the driver.
+        """
+        surplus = num_free - self.policy.headroom_pages
+        if self._share is not None:
+            surplus = min(surplus, self._num_held - self._share.floor_pages)
+        return max(surplus, 0)
 
     def _ahead_target(self) -> int:
         """Free blocks kept mapped while requests run: a step's worth."""
@@ -564,10 +593,14 @@ class PagedBlockPool(BlockPool):
         """Free pages (highest first) whose blocks the pool can spare while
         keeping a step's worth of free blocks mapped."""
         spare = self.free_block_queue.num_free_blocks - self._ahead_target()
+        # Never below the floor (the ledger keeps it for this engine anyway).
+        beyond_floor = self._num_held
+        if self._share is not None:
+            beyond_floor -= self._share.floor_pages
         pages = []
         for page in self._free_pages():
             num_blocks = len(self._page_blocks(page))
-            if spare < num_blocks:
+            if spare < num_blocks or len(pages) >= beyond_floor:
                 break
             pages.append(page)
             spare -= num_blocks
