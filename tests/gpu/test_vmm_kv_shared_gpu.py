@@ -82,14 +82,17 @@ def test_engine_survives_a_full_device_and_keeps_its_tokens(gpu_model: Path, tmp
         del ref
         gc.collect()
 
+    # Floor 0: idle, the engine keeps only the null block's page (with a floor it would keep
+    # that mapped, and the burst below would find its pages there).
     llm = _llm(gpu_model, kv_cache_memory_backend="vmm", kv_cache_vmm_shared=True,
-               kv_cache_vmm_shrink_delay=0, kv_cache_vmm_headroom_pages=0)
+               kv_cache_vmm_shrink_delay=0, kv_cache_vmm_headroom_pages=0,
+               kv_cache_vmm_floor_bytes=0)
     ctx = multiprocessing.get_context("spawn")
     ready, release = ctx.Event(), ctx.Event()
     filler = ctx.Process(target=_fill_device, args=(ready, release))
     try:
         assert _generate(llm) == reference
-        # The engine is idle (null block's page and the headroom mapped); the device fills up.
+        # The engine is idle (the null block's page mapped); the device fills up.
         filler.start()
         assert ready.wait(300)
         release_later = ctx.Process(target=_release_after, args=(release, 5.0))
