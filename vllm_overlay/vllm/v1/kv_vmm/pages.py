@@ -7,9 +7,10 @@ scheduler before anything is allocated, so a page id means the same block
 ids everywhere. The scheduler sends :class:`KVPageOps` in each step message;
 every TP and PP rank applies them to its own shard of the KV memory: the
 pages the step itself needs before its forward pass, the pages mapped ahead
-of demand right after the forward pass is launched, on the same thread, so
-the driver calls overlap the device's work. No rank guesses the world size
-and no thread is started.
+of demand right after the forward pass is launched, so the driver calls
+overlap the device's work (on the step's thread, or, where the scheduler
+waits for every rank's report of them, on a thread of their own). No rank
+guesses the world size.
 """
 
 import math
