@@ -90,6 +90,12 @@ def summarize(a: list[float], b: list[float]) -> dict:
             "ratio_min": min(pairs), "ratio_max": max(pairs), "n": len(pairs)}
 
 
+def spread(values: list[float]) -> dict:
+    """Median, min and max of one side's values."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
 def ab_order(repeats: int) -> list[str]:
     """A B, B A, A B, ...: each side runs first as often as the other (drift cancels)."""
     order: list[str] = []
@@ -251,18 +257,20 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
     return {"backend": p["backend"], "pages": p["pages"], "repeats": p["repeats"],
             "invocations": p["invocations"], "us_per_page": medians,
             "us_per_page_runs": per_run, **({"overlap_runs": overlaps} if overlaps else {}),
-            "ratios": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                       for k, v in ratios.items()}}
+            "ratios": {k: spread(v) for k, v in ratios.items()}}
 
 
 def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) -> dict:
     if gpus < 2:
         return {"not_measured": f"needs 2 GPUs, this host has {gpus}"}
-    # Transfer throughput: NIXL READs of KV blocks from one GPU into the other, out of stock
-    # and out of VMM-backed memory registered per segment, as the patched NixlConnector does.
-    # Each invocation measures stock then VMM; `repeats` invocations give the spread.
+    # Transfer throughput: reads of KV blocks from one GPU into the other, out of stock
+    # memory (NIXL) and out of VMM-backed memory as the patched NixlConnector reads it (the
+    # same-host path; also through NIXL/UCX alone, the path between hosts), and one copy of
+    # the same bytes over the link. Each invocation measures every mode; `repeats`
+    # invocations give the spread.
     stock: list[float] = []
     vmm: list[float] = []
+    extra: dict[str, list[float]] = {"vmm_ucx": [], "link": []}
     for i in range(prof["repeats"]):
         js = out / f"nixl_transfer_{i}.json"
         log = runner.logs / f"nixl_transfer_{i}.log"
@@ -276,7 +284,14 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
         r = json.loads(js.read_text())
         stock.append(r["stock"]["gb_per_s"])
         vmm.append(r["vmm"]["gb_per_s"])
+        for mode, values in extra.items():
+            values.append(r[mode]["gb_per_s"])
     result: dict = {"transfer_gbps": summarize(stock, vmm)}
+    result["transfer_gbps"] |= {mode: spread(values) for mode, values in extra.items()}
+    # Each mode as a fraction of the link, per invocation.
+    result["transfer_gbps"]["of_link"] = {
+        mode: spread([x / link for x, link in zip(values, extra["link"])])
+        for mode, values in (("stock", stock), ("vmm", vmm), ("vmm_ucx", extra["vmm_ucx"]))}
     # scripts/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
     # requests through both; one run per repetition, pairs while the budget allows.
     model = model_dir(prof["elastic"]["model"], out)
@@ -298,7 +313,10 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
             result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name} exit {rc}, "
                                                  f"see logs/{log.name}"}
             return result
-        runs[backend].append(json.loads(js.read_text())["ttft_ms"])
+        run = json.loads(js.read_text())
+        runs[backend].append(run["ttft_ms"])
+        if "same_host" in run:
+            result.setdefault("vmm_same_host", []).append(run["same_host"])
     n = min(len(runs["default"]), len(runs["vmm"]))
     result["ttft_ms"] = (summarize(runs["default"][:n], runs["vmm"][:n]) if n else
                          {"not_measured": "time budget spent before the first pair"})

@@ -13,12 +13,22 @@ prompt's KV (one descriptor per block).
   as NixlConnector does for stock KV tensors.
 * ``vmm``: a KVPageTable over VMM memory (``cuMemCreate`` segments on CUDA,
   memfd pages on the host), every segment mapped, registered per physical
-  chunk (NixlSegmentRegistry) and transfers created per read with
-  SegmentedXferAgent, as the patched NixlConnector does for VMM-backed KV.
+  chunk (NixlSegmentRegistry), shared with same-host readers
+  (ChunkExporter) and transfers created per read with SegmentedXferAgent,
+  as the patched NixlConnector does for VMM-backed KV: the reads run over
+  the same-host path (the owner's chunks imported and mapped by the reader,
+  runs of adjacent blocks copied by the reader's device). The mode fails if
+  a read did not take that path.
+* ``vmm_ucx``: the same with the same-host path off: every read goes
+  through NIXL/UCX (the path between hosts).
+* ``link``: the reader's device copies the same number of bytes out of one
+  allocation of the owner's device in one copy: what the link between them
+  moves (on the host: one memmove).
 
-Prints GB/s per mode (median over ``--iters`` reads after ``--warmup``) and
-the vmm/stock ratio; ``--json`` writes them. On a GPU host with two GPUs
-(owner on cuda:1, reader on cuda:0; UCX picks cuda_ipc)::
+Prints GB/s per mode (median over ``--iters`` reads after ``--warmup``), the
+vmm/stock ratio and each mode's fraction of the link; ``--json`` writes
+them. On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
+picks cuda_ipc where it can)::
 
     python scripts/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
 
@@ -51,7 +61,8 @@ except ModuleNotFoundError:
 
 
 def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
-    """(base address, NIXL memory type, device id, wrapped agent, closer)."""
+    """(base address, NIXL memory type, device id, wrapped agent, closer,
+    the same-host reads or None)."""
     import torch
 
     if kind == "cuda":
@@ -70,7 +81,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
             del buf_ref[:]  # the allocation lives until its registration is gone
 
         buf_ref = [buf]
-        return buf.data_ptr(), mem_type, dev_id, agent, close_stock
+        return buf.data_ptr(), mem_type, dev_id, agent, close_stock, None
 
     from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
     from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
@@ -84,17 +95,34 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
     geometry = KVPageGeometry([KVTensorLayout(block_bytes=nbytes, num_regions=1)],
                               num_blocks=1, granularity=backend.granularity)
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
+    exporter = same_host = None
+    if mode == "vmm":
+        # As NixlVmmWorker does: shared before the NIXL registry is attached.
+        from vllm.v1.kv_vmm.nixl_samehost import (
+            ChunkExporter,
+            SameHostReads,
+            channel_address,
+            chunk_memory_for,
+        )
+
+        exporter = ChunkExporter(channel_address(agent.name))
+        exporter.attach(table)
+        same_host = SameHostReads(chunk_memory_for(backend), name=agent.name)
     registry = NixlSegmentRegistry(agent, mem_type, dev_id)
     registry.attach(table)
     table.map_pages(range(geometry.num_pages))
 
     def close() -> None:
+        if same_host is not None:
+            same_host.close()
         table.close()
         registry.close()
+        if exporter is not None:
+            exporter.close()
         backend.close()
 
     return (table.tensors[0].data_ptr(), mem_type, dev_id,
-            SegmentedXferAgent(agent, registry), close)
+            SegmentedXferAgent(agent, registry, same_host=same_host), close, same_host)
 
 
 def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
@@ -112,7 +140,8 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
         torch.cuda.init()
         torch.empty(1, device=f"cuda:{device}")
     agent = nixl_agent(f"{role}-{mode}", nixl_agent_config(backends=["UCX"]))
-    base, mem_type, dev_id, xfer, close = _memory(mode, args.kind, device, nbytes, agent)
+    base, mem_type, dev_id, xfer, close, same_host = _memory(mode, args.kind, device, nbytes,
+                                                             agent)
     blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
                        for b in range(args.num_blocks)], dtype=np.uint64)
     conn.send((agent.get_agent_metadata(), blocks))
@@ -123,6 +152,8 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
         close()
         return
     peer = xfer.add_remote_agent(peer_meta)
+    if same_host is not None and not same_host.connect(peer):
+        raise SystemExit(f"{mode}: the same-host channel to {peer!r} did not open")
     local = xfer.prep_xfer_dlist("NIXL_INIT_AGENT", xfer.get_xfer_descs(blocks, mem_type))
     remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
     rng = np.random.default_rng(0)
@@ -140,18 +171,68 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
         xfer.release_xfer_handle(handle)
         if i >= args.warmup:
             seconds.append(took)
+    reads = 0
+    if same_host is not None:
+        from vllm.v1.kv_vmm.nixl_samehost import same_host_stats
+
+        reads = same_host_stats()["reads"]
+        if reads != args.warmup + args.iters:
+            raise SystemExit(f"{mode}: {reads} of {args.warmup + args.iters} reads took "
+                             "the same-host path")
+        same_host.close()  # our mappings of the owner's chunks go before it unmaps them
     xfer.remove_remote_agent(peer)
     conn.send("done")
     conn.recv()
     close()
-    gbps = args.blocks_per_read * args.block_bytes / statistics.median(seconds) / 1e9
-    conn.send({"gb_per_s": gbps, "median_ms": statistics.median(seconds) * 1e3,
-               "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3})
+    conn.send(_result(args.blocks_per_read * args.block_bytes, seconds)
+              | {"same_host_reads": reads})
+
+
+def _result(nbytes: int, seconds: list[float]) -> dict:
+    return {"gb_per_s": nbytes / statistics.median(seconds) / 1e9,
+            "median_ms": statistics.median(seconds) * 1e3,
+            "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3}
+
+
+def _link(args: argparse.Namespace, conn: Any) -> None:
+    """One copy of a read's bytes out of the owner's device into the reader's."""
+    nbytes = args.blocks_per_read * args.block_bytes
+    seconds = []
+    if args.kind == "cuda":
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        for i in range(args.warmup + args.iters):
+            torch.cuda.synchronize(0)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(0)
+            if i >= args.warmup:
+                seconds.append(time.perf_counter() - start)
+    else:
+        import ctypes
+
+        src_buf, dst_buf = ctypes.create_string_buffer(nbytes), ctypes.create_string_buffer(
+            nbytes)
+        for i in range(args.warmup + args.iters):
+            start = time.perf_counter()
+            ctypes.memmove(dst_buf, src_buf, nbytes)
+            if i >= args.warmup:
+                seconds.append(time.perf_counter() - start)
+    conn.send(_result(nbytes, seconds))
 
 
 def _run(mode: str, args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     reader_end, owner_end = ctx.Pipe()
+    if mode == "link":
+        proc = ctx.Process(target=_link, args=(args, reader_end))
+        proc.start()
+        proc.join(timeout=600)
+        if proc.exitcode != 0:
+            raise SystemExit(f"link: exited with {proc.exitcode}")
+        return owner_end.recv()
     procs = [ctx.Process(target=_side, args=("owner", args, mode, owner_end)),
              ctx.Process(target=_side, args=("reader", args, mode, reader_end))]
     for p in procs:
@@ -163,6 +244,9 @@ def _run(mode: str, args: argparse.Namespace) -> dict:
             raise SystemExit(f"{mode}: a side exited with {p.exitcode}")
     # The reader's last message (its result) arrives after the owner has exited.
     return owner_end.recv()
+
+
+MODES = ("stock", "vmm", "vmm_ucx", "link")
 
 
 def main() -> None:
@@ -181,13 +265,16 @@ def main() -> None:
 
         if torch.cuda.device_count() < 2:
             raise SystemExit("--kind cuda needs two GPUs (owner cuda:1, reader cuda:0)")
-    results = {mode: _run(mode, args) for mode in ("stock", "vmm")}
+    results: dict[str, Any] = {mode: _run(mode, args) for mode in MODES}
     results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
+    link = results["link"]["gb_per_s"]
+    results["of_link"] = {mode: results[mode]["gb_per_s"] / link for mode in MODES}
     results["config"] = vars(args) | {"json": str(args.json) if args.json else None}
-    for mode in ("stock", "vmm"):
+    for mode in MODES:
         r = results[mode]
-        print(f"{mode:5s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
-              f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read)")
+        print(f"{mode:7s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
+              f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read; "
+              f"{results['of_link'][mode]:.3f} of the link)")
     print(f"vmm/stock: {results['vmm_over_stock']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -141,6 +141,11 @@ def main() -> None:
             server.stop()
     result = {"ttft_ms": statistics.median(runs), "ttft_ms_runs": runs,
               "backend": args.backend, "prompt_len": args.prompt_len, "engine": engine}
+    if args.backend == "vmm":
+        # Whether the decode instance read the prefill's VMM KV over the same-host path
+        # (its connector logs it when the channel opens) or through NIXL/UCX.
+        log = (logs / f"pd-{args.backend}-decode.log").read_text(errors="replace")
+        result["same_host"] = "use the same-host path" in log
     args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("backend", "ttft_ms")}))
 

@@ -161,8 +161,17 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                     f"each, {med['host_map_ms']:.2f} ms on the host), median of {len(o)} "
                     "invocation(s).")
         elif item == "pd":
-            row(item, f"{name}: transfer GB/s", *_ab(data["transfer_gbps"]),
-                *_verdict("pd-transfer", data["transfer_gbps"]["ratio"], data.get("run")))
+            transfer = data["transfer_gbps"]
+            row(item, f"{name}: transfer GB/s", *_ab(transfer),
+                *_verdict("pd-transfer", transfer["ratio"], data.get("run")))
+            if "link" in transfer:
+                of_link = transfer["of_link"]
+                link = _spread(transfer["link"])
+                details.append(
+                    f"- {title}: one copy of a read's bytes over the link {link}"
+                    f" GB/s; fraction of it: stock (NIXL) {_fraction(of_link['stock'])}, VMM "
+                    f"(same-host path) {_fraction(of_link['vmm'])}, VMM through NIXL/UCX alone "
+                    f"{_fraction(of_link['vmm_ucx'])} ({_spread(transfer['vmm_ucx'])} GB/s).")
             ttft = data["ttft_ms"]
             if "not_measured" in ttft:
                 row(item, f"{name}: end-to-end TTFT (ms)", "", "",
@@ -191,6 +200,10 @@ def render_results(results: dict, png_prefix: str = "") -> str:
 
 def _spread(s: dict) -> str:
     return f"{_num(s['median'])} [{_num(s['min'])}..{_num(s['max'])}]"
+
+
+def _fraction(s: dict) -> str:
+    return f"{s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}]"
 
 
 def render_sharing(data: dict, name: str, row, details: list[str], title: str) -> None:

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation through NixlConnector on a GPU host: a prefill instance on
 GPU 0 and a decode instance on GPU 1 (each its own process tree, dummy weights, a 2-layer
 Llama), KV read by the decode instance from the prefill instance's GPU memory through NIXL
-(UCX; cuda_ipc where UCX picks it). The decode's token ids must equal a single instance's,
-with the KV cache memory backend off on both instances and VMM-backed on both.
+(UCX; cuda_ipc where UCX picks it; VMM-backed KV over the same-host path). The decode's
+token ids must equal a single instance's, with the KV cache memory backend off on both
+instances and VMM-backed on both.
 
 The flow is tests/engine/nixl_pd_node.py's (the CPU engine test runs the same one with host
 memory); only the environment differs: one GPU per instance, kv_buffer_device "cuda".
@@ -109,6 +110,15 @@ def test_disaggregated_vmm_kv_on_two_gpus(node, pd_model, reference, tmp_path):
     prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(), "vmm",
                                              _env, NODE_ARGS, timeout=TIMEOUT)
     _check(node, reference, prefill, decode, pd_model)
+    # Same host: the prefill instance shared its cuMemCreate chunks as POSIX fds, the decode
+    # instance imported them and every prompt's KV came as device copies out of them, none
+    # through UCX (which would stage VMM memory through the host) and none failed.
+    full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
+    same_host = decode["stats"][-1][0].get("same_host", {})
+    assert same_host.get("channels", 0) >= 1, same_host
+    assert same_host["reads"] >= 1, same_host
+    assert same_host["bytes"] >= full_blocks * _block_kv_bytes(pd_model), same_host
+    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, same_host
     # The prefill instance mapped pages while prefilling the second wave: the requests
     # it finished then tell the decode instance that its registrations changed.
     second = json.loads((tmp_path / "params1.json").read_text())

@@ -94,6 +94,30 @@ def test_pagemap_rows_include_gpu_work_while_mapping_where_measured():
     assert "GPU work" not in render_results({"items": {"pagemap": pagemap}})
 
 
+def test_pd_transfer_shows_each_path_as_a_fraction_of_the_link():
+    from bench_items import spread
+    from bench_report import render_results
+
+    transfer = {**_ab([27.0, 28.0, 29.0], [300.0, 310.0, 320.0]),
+                "vmm_ucx": spread([0.4, 0.5, 0.6]), "link": spread([380.0, 390.0, 400.0])}
+    transfer["of_link"] = {
+        mode: spread([x / link for x, link in zip(values, transfer["link"]["runs"])])
+        for mode, values in (("stock", transfer["a"]), ("vmm", transfer["b"]),
+                             ("vmm_ucx", transfer["vmm_ucx"]["runs"]))}
+    pd = {"run": RUN1, "transfer_gbps": transfer,
+          "ttft_ms": {"not_measured": "time budget spent before the first pair"}}
+    md = render_results({"items": {"pd": pd}})
+    assert ("P/D over NIXL: transfer GB/s | 28.0 [27.0..29.0] | 310.0 [300.0..320.0] | "
+            "11.071 [11.034..11.111], n=3 | >= 0.9 | pass") in md
+    assert ("one copy of a read's bytes over the link 390.0 [380.0..400.0] GB/s; fraction of "
+            "it: stock (NIXL) 0.072 [0.071..0.072], VMM (same-host path) 0.795 "
+            "[0.789..0.800], VMM through NIXL/UCX alone 0.001 [0.001..0.002]") in md
+    # Runs before the link was measured render as they did.
+    for key in ("vmm_ucx", "link", "of_link"):
+        del transfer[key]
+    assert "over the link" not in render_results({"items": {"pd": pd}})
+
+
 def test_doc_section_replaced_in_place(tmp_path: Path):
     from bench_report import BEGIN, END, update_doc
 
