@@ -90,6 +90,32 @@ class GatedMemory(HostChunkMemory):
         super().copy(runs)
 
 
+class AsyncGatedMemory(HostChunkMemory):
+    """Host chunk memory with the asynchronous interface of CudaChunkMemory
+    (copies enqueued, an event polled): a copy completes once ``gate`` is
+    set, as a device would finish it. Stands in for the device on CPU."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.freed = 0
+
+    def copy_async(self, runs):
+        return {"runs": runs, "copied": False}
+
+    def done(self, event):
+        if self.gate.is_set() and not event["copied"]:
+            self.copy(event["runs"])
+            event["copied"] = True
+        return event["copied"]
+
+    def wait(self, event):
+        assert self.gate.wait(30)
+        self.done(event)
+
+    def free(self, event):
+        self.freed += 1
+
+
 @pytest.fixture
 def producer():
     name = f"p-{uuid.uuid4()}"
@@ -161,6 +187,54 @@ def test_reader_maps_shared_chunks_and_copies_them(producer):
     finally:
         reads.close()
     _wait(lambda: exporter.num_peers == 0)
+
+
+def test_asynchronous_copies_complete_when_polled_and_hold_their_chunks(producer):
+    """Memory that enqueues copies (the CUDA path): the read is posted on the
+    caller's thread and completes when a poll finds its event done; until
+    then its chunks stay pinned (an unmap waits), and a read given up while
+    in flight waits for its copies before its chunks go."""
+    name, _, table, exporter = producer
+    table.map_pages([0])
+    _fill(table, 3, 7)
+    memory = AsyncGatedMemory()
+    reads = SameHostReads(memory, "reader")
+    try:
+        assert reads.connect(name)
+        importer = reads.importer(name)
+        _wait(lambda: importer.num_mapped == 1)
+        dst = np.zeros(BLOCK, dtype=np.uint8)
+        base = table.tensors[0].data_ptr()
+        xfer = reads.make_read(
+            name, _rows(dst.ctypes.data, [0]), _rows(base, [3]), b"r"
+        )
+        assert reads.transfer(xfer) == "PROC"
+        assert reads.check(xfer, lambda a, m: None) == "PROC"
+        # The producer gives the page back: it waits for the read in flight.
+        unmapping = threading.Thread(target=table.unmap_pages, args=([0],))
+        unmapping.start()
+        time.sleep(0.2)
+        assert unmapping.is_alive() and importer.num_mapped == 1
+        memory.gate.set()
+        notifs: list[tuple[str, bytes]] = []
+        assert _finish(reads, xfer, notifs) == "DONE"
+        assert notifs == [(name, b"r")] and (dst == 7).all() and memory.freed == 1
+        unmapping.join(10)
+        assert not unmapping.is_alive() and importer.num_mapped == 0
+        reads.release(xfer)
+
+        # Given up in flight: release waits for the copies, then unpins.
+        table.map_pages([0])
+        _wait(lambda: importer.num_mapped == 1)
+        memory.gate.clear()
+        xfer = reads.make_read(name, _rows(dst.ctypes.data, [0]), _rows(base, [3]), b"")
+        assert reads.transfer(xfer) == "PROC"
+        threading.Timer(0.2, memory.gate.set).start()
+        reads.release(xfer)
+        assert memory.freed == 2 and xfer.state() == "DONE"
+        assert all(m.pins == 0 for m in importer._mapped.values())
+    finally:
+        reads.close()
 
 
 class SlowMapMemory(HostChunkMemory):
@@ -639,7 +713,8 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
 @requires_cuda_vmm
 def test_cuda_chunks_are_imported_and_copied():
     """CUDA backend: the exported allocation is imported, mapped with access
-    for the reader's device and copied with cuMemcpyAsync."""
+    for the reader's device and copied with one batched, asynchronous copy
+    that a poll completes."""
     from vllm.v1.kv_vmm.cuda import CudaVmmBackend
     from vllm.v1.kv_vmm.nixl_samehost import chunk_memory_for
 

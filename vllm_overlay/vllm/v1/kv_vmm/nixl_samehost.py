@@ -531,12 +531,22 @@ class HostChunkMemory:
 
 class CudaChunkMemory:
     """Imports exported CUDA allocations into reservations of this process
-    with access for the backend's device; copies on a stream of its own."""
+    with access for the backend's device; copies on a stream of its own.
+
+    A read's copies are enqueued with one driver call
+    (``cuMemcpyBatchAsync``) on the caller's thread and completed through an
+    event the caller polls, like a NIXL transfer: no thread of ours waits on
+    the device. A thread issuing one driver call per copy would give the GIL
+    up and wait for it again at every call, up to the interpreter's switch
+    interval (5 ms) each while the engine's thread runs Python: 2.6 s for a
+    read of 512 blocks on a GPU host, against 3.8 ms through NIXL.
+    """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self._drv = backend._drv
         self._stream: Any = None
+        self._attrs: list[Any] | None = None
 
     def _current(self) -> None:
         drv = self._drv
@@ -579,7 +589,9 @@ class CudaChunkMemory:
         check(drv.cuMemRelease(state), "cuMemRelease")
         check(drv.cuMemAddressFree(addr, nbytes), "cuMemAddressFree")
 
-    def copy(self, runs: np.ndarray) -> None:
+    def copy_async(self, runs: np.ndarray) -> Any:
+        """Enqueue the ``(dst, src, n)`` copies; returns the event that
+        completes with them (:meth:`done`, :meth:`wait`, :meth:`free`)."""
         drv, check = self._drv, self.backend._check
         self._current()
         if self._stream is None:
@@ -587,9 +599,59 @@ class CudaChunkMemory:
                 drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
                 "cuStreamCreate",
             )
-        for dst, src, n in runs.tolist():
-            check(drv.cuMemcpyAsync(dst, src, n, self._stream), "cuMemcpyAsync")
-        check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        rows = runs.tolist()
+        batch = getattr(drv, "cuMemcpyBatchAsync", None)
+        if rows and batch is not None:
+            if self._attrs is None:
+                attrs = drv.CUmemcpyAttributes()
+                attrs.srcAccessOrder = (
+                    drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                )
+                self._attrs = [attrs]
+            check(
+                batch(
+                    [drv.CUdeviceptr(r[0]) for r in rows],
+                    [drv.CUdeviceptr(r[1]) for r in rows],
+                    [r[2] for r in rows],
+                    len(rows),
+                    self._attrs,
+                    [0],
+                    1,
+                    self._stream,
+                ),
+                "cuMemcpyBatchAsync",
+            )
+        else:  # drivers before CUDA 12.8
+            for dst, src, n in rows:
+                check(drv.cuMemcpyAsync(dst, src, n, self._stream), "cuMemcpyAsync")
+        event = check(
+            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+            "cuEventCreate",
+        )
+        check(drv.cuEventRecord(event, self._stream), "cuEventRecord")
+        return event
+
+    def done(self, event: Any) -> bool:
+        """Whether the copies of ``event`` finished (raises if they failed)."""
+        drv = self._drv
+        err = drv.cuEventQuery(event)[0]
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        self.backend._check((err,), "cuEventQuery")
+        return True
+
+    def wait(self, event: Any) -> None:
+        self.backend._check(self._drv.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def free(self, event: Any) -> None:
+        self.backend._check(self._drv.cuEventDestroy(event), "cuEventDestroy")
+
+    def copy(self, runs: np.ndarray) -> None:
+        event = self.copy_async(runs)
+        try:
+            self.wait(event)
+        finally:
+            self.free(event)
 
 
 def chunk_memory_for(backend: VmmBackend) -> Any:
@@ -856,6 +918,10 @@ class SameHostXfer:
         self.desc_count = desc_count
         self.total_bytes = int(runs[:, 2].sum()) if len(runs) else 0
         self.future: Future[None] | None = None
+        # Memory that copies asynchronously (CudaChunkMemory): the copies'
+        # event, until they finished and the chunks were unpinned.
+        self.event: Any = None
+        self._finished = False
         self.error: Exception | None = None
         self.notified = False
         self.reported = False
@@ -878,10 +944,55 @@ class SameHostXfer:
                 "channel closed before the copy finished"
             )
 
+    def start(self) -> None:
+        """Enqueue the copies (memory with ``copy_async``); :meth:`state`
+        completes them."""
+        self._posted = time.perf_counter()
+        try:
+            self.event = self.importer.memory.copy_async(self.runs)
+        except Exception as e:
+            self.error = e
+            self._finish()
+
+    def _finish(self) -> None:
+        """The copies are over: free the event, unpin the chunks."""
+        if self._finished:
+            return
+        self._finished = True
+        self._done = time.perf_counter()
+        try:
+            if self.event is not None:
+                self.importer.memory.free(self.event)
+        finally:
+            self.importer.unpin(self.pinned)
+        if self.error is None and not self.importer.alive:
+            self.error = VmmError(
+                f"same-host read from {self.remote_agent}: the producer's "
+                "channel closed before the copy finished"
+            )
+
+    def wait(self) -> None:
+        """Block until enqueued copies are over (before giving up the read)."""
+        if self.event is not None and not self._finished:
+            try:
+                self.importer.memory.wait(self.event)
+            except Exception as e:
+                self.error = self.error or e
+            self._finish()
+
     def state(self) -> str:
         """NIXL's state names, without notifying."""
         if self.error is not None:
             return "ERR"
+        if self.event is not None:
+            if not self._finished:
+                try:
+                    if not self.importer.memory.done(self.event):
+                        return "PROC"
+                except Exception as e:
+                    self.error = e
+                self._finish()
+            return "ERR" if self.error is not None else "DONE"
         if self.future is None or not self.future.done():
             return "PROC"
         return "ERR" if self.future.exception() is not None else "DONE"
@@ -1037,6 +1148,9 @@ class SameHostReads:
         return SameHostXfer(importer, runs, ids, agent_name, notif_msg, len(local_rows))
 
     def transfer(self, xfer: SameHostXfer) -> str:
+        if hasattr(xfer.importer.memory, "copy_async"):
+            xfer.start()
+            return xfer.state()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="kv-vmm-same-host-copy"
@@ -1067,7 +1181,9 @@ class SameHostReads:
         return state
 
     def release(self, xfer: SameHostXfer) -> None:
-        if xfer.future is None and not xfer.released:
+        if xfer.event is not None:
+            xfer.wait()  # the chunks stay pinned until the copies are over
+        elif xfer.future is None and not xfer._finished and not xfer.released:
             xfer.importer.unpin(xfer.pinned)  # never started
         if xfer.state() == "ERR" and not xfer.released:
             _count(failed=1)
