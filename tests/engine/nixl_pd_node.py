@@ -267,7 +267,7 @@ def check_disaggregated(reference: list[list[int]], prefill: dict, decode: dict,
     assert "vllm:nixl_num_failed_transfers" in nixl, nixl
     assert nixl["vllm:nixl_num_failed_transfers"] == 0, nixl
     moved = nixl["vllm:nixl_bytes_transferred:sum"]
-    assert moved >= (min_nixl_bytes if nixl_metrics_complete else 1), (
+    assert moved >= (min_nixl_bytes if nixl_metrics_complete else min(min_nixl_bytes, 1)), (
         f"NIXL moved {moved:.0f} bytes, expected at least {min_nixl_bytes}; "
         f"metrics after each wave: {decode['nixl']}")
 
