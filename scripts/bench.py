@@ -22,7 +22,8 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  default shrink delay.
   4 pagemap      page map/unmap cost per page and batched vs the raw driver (or OS) calls,
                  through scripts/bench_vmm.py
-  5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py);
+  5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py:
+                 VMM KV over the same-host path and through UCX alone, and the link);
                  end-to-end TTFT through a prefill and a decode server (bench_pd.py)
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
   7 sharing      N engines on one device behind their own OpenAI servers, peaks at
