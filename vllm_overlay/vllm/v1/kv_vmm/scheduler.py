@@ -597,7 +597,7 @@ class PagedBlockPool(BlockPool):
         beyond_floor = self._num_held
         if self._share is not None:
             beyond_floor -= self._share.floor_pages
-        pages = []
+        pages: list[int] = []
         for page in self._free_pages():
             num_blocks = len(self._page_blocks(page))
             if spare < num_blocks or len(pages) >= beyond_floor:
