@@ -35,7 +35,7 @@ TITLES = {
 }
 TARGETS = {"sharing-ttft": ("<=", 0.5), "sharing-single": (">=", 0.97),
            "throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
-           "pd-transfer": (">=", 0.9), "tp2-startup": ("<=", 1.1), "idle-ttft": ("<=", 1.1)}
+           "pd-transfer": (">=", 0.9), "pd-ttft": ("<=", 1.1), "tp2-startup": ("<=", 1.1), "idle-ttft": ("<=", 1.1)}
 
 #: Key of item 1's first request after the engine went idle and (VMM) shrank.
 IDLE_TTFT = "first request after idle, TTFT (s)"
@@ -177,7 +177,14 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                 row(item, f"{name}: end-to-end TTFT (ms)", "", "",
                     f"not measured: {ttft['not_measured']}")
             else:
-                row(item, f"{name}: end-to-end TTFT (ms)", *_ab(ttft))
+                row(item, f"{name}: end-to-end TTFT (ms)", *_ab(ttft),
+                    *_verdict("pd-ttft", ttft["ratio"], data.get("run")))
+                same_host = data.get("vmm_same_host")
+                if same_host is not None:
+                    details.append(
+                        f"- {title}: the VMM decode instance read over the same-host path in "
+                        f"{sum(same_host)} of {len(same_host)} TTFT runs (through NIXL/UCX in "
+                        "the others).")
         elif item == "sharing":
             render_sharing(data, name, row, details, title)
         elif item == "tp2-startup":

@@ -112,6 +112,13 @@ def test_pd_transfer_shows_each_path_as_a_fraction_of_the_link():
     assert ("one copy of a read's bytes over the link 390.0 [380.0..400.0] GB/s; fraction of "
             "it: stock (NIXL) 0.072 [0.071..0.072], VMM (same-host path) 0.795 "
             "[0.789..0.800], VMM through NIXL/UCX alone 0.001 [0.001..0.002]") in md
+    # The TTFT pairs: judged against <= 1.1, and whether the VMM runs took the same-host path.
+    pd["ttft_ms"] = _ab([130.0, 134.0, 136.0], [128.0, 140.0, 150.0])
+    pd["vmm_same_host"] = [True, True, False]
+    md = render_results({"items": {"pd": pd}})
+    assert "P/D over NIXL: end-to-end TTFT (ms) | 134.0 [130.0..136.0] | 140.0" in md
+    assert "| <= 1.1 | pass |" in md.split("end-to-end TTFT")[1].splitlines()[0]
+    assert "read over the same-host path in 2 of 3 TTFT runs" in md
     # Runs before the link was measured render as they did.
     for key in ("vmm_ucx", "link", "of_link"):
         del transfer[key]
