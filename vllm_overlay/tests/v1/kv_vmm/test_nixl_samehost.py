@@ -97,9 +97,11 @@ class AsyncGatedMemory(HostChunkMemory):
 
     def __init__(self):
         self.gate = threading.Event()
+        self.copying = threading.Event()
         self.freed = 0
 
     def copy_async(self, runs):
+        self.copying.set()
         return {"runs": runs, "copied": False}
 
     def done(self, event):
@@ -551,7 +553,11 @@ def test_a_reader_that_dies_before_importing_holds_nothing_up(producer):
         child.kill()
 
 
-def test_a_producer_that_dies_mid_read_fails_the_read():
+@pytest.mark.parametrize("memory_cls", [GatedMemory, AsyncGatedMemory])
+def test_a_producer_that_dies_mid_read_fails_the_read(memory_cls):
+    """Copies on a thread of the reader (host) or enqueued and polled
+    (CUDA): either way the read fails and its chunk stays mapped until the
+    copies are over."""
     name = f"p-{uuid.uuid4()}"
     child = _child(
         """
@@ -568,7 +574,7 @@ def test_a_producer_that_dies_mid_read_fails_the_read():
     """,
         name,
     )
-    memory = GatedMemory()
+    memory = memory_cls()
     reads = SameHostReads(memory)
     try:
         base = int(_readline(child, "BASE").split()[1])
