@@ -54,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_items import spread  # noqa: E402
 from bench_server import Server  # noqa: E402
 
 MODES = ("static", "shared", "kvcached")
@@ -324,9 +325,7 @@ def main() -> None:
     for key in ("single", "peaks"):
         runs = result[key]
         for stat in ("ttft_mean_ms", "ttft_p99_ms", "output_tok_s"):
-            values = [r[stat] for r in runs]
-            result[f"{key}_{stat}"] = {"median": statistics.median(values),
-                                       "min": min(values), "max": max(values), "runs": values}
+            result[f"{key}_{stat}"] = spread([r[stat] for r in runs])
     args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k]["median"] for k in
                       ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "single_output_tok_s")}))
