@@ -646,13 +646,6 @@ class CudaChunkMemory:
     def free(self, event: Any) -> None:
         self.backend._check(self._drv.cuEventDestroy(event), "cuEventDestroy")
 
-    def copy(self, runs: np.ndarray) -> None:
-        event = self.copy_async(runs)
-        try:
-            self.wait(event)
-        finally:
-            self.free(event)
-
 
 def chunk_memory_for(backend: VmmBackend) -> Any:
     """How a reader whose own KV memory is ``backend``'s maps shared chunks."""
@@ -931,18 +924,15 @@ class SameHostXfer:
         self._done = 0.0
 
     def run(self) -> None:
+        """Copy on this thread (memory without ``copy_async``); raises what
+        the read failed with."""
         self._posted = time.perf_counter()
         try:
             self.importer.memory.copy(self.runs)
         finally:
-            self.importer.unpin(self.pinned)
-            self._done = time.perf_counter()
-        if not self.importer.alive:
-            # The producer went away (or detached us) during the read.
-            raise VmmError(
-                f"same-host read from {self.remote_agent}: the producer's "
-                "channel closed before the copy finished"
-            )
+            self._finish()
+        if self.error is not None:
+            raise self.error
 
     def start(self) -> None:
         """Enqueue the copies (memory with ``copy_async``); :meth:`state`
@@ -955,7 +945,8 @@ class SameHostXfer:
             self._finish()
 
     def _finish(self) -> None:
-        """The copies are over: free the event, unpin the chunks."""
+        """The copies are over: free the event, unpin the chunks; the read
+        failed if the producer went away (or detached us) meanwhile."""
         if self._finished:
             return
         self._finished = True
