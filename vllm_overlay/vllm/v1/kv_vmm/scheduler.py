@@ -556,9 +556,13 @@ class PagedBlockPool(BlockPool):
         after an idle period does not wait for the driver.
         """
         surplus = num_free - self.policy.headroom_pages
-        if self._share is not None:
-            surplus = min(surplus, self._num_held - self._share.floor_pages)
-        return max(surplus, 0)
+        return max(min(surplus, self._pages_beyond_floor()), 0)
+
+    def _pages_beyond_floor(self) -> int:
+        """Pages held beyond the device ledger's floor (all without one)."""
+        if self._share is None:
+            return self._num_held
+        return self._num_held - self._share.floor_pages
 
     def _ahead_target(self) -> int:
         """Free blocks kept mapped while requests run: a step's worth."""
@@ -594,9 +598,7 @@ class PagedBlockPool(BlockPool):
         keeping a step's worth of free blocks mapped."""
         spare = self.free_block_queue.num_free_blocks - self._ahead_target()
         # Never below the floor (the ledger keeps it for this engine anyway).
-        beyond_floor = self._num_held
-        if self._share is not None:
-            beyond_floor -= self._share.floor_pages
+        beyond_floor = self._pages_beyond_floor()
         pages: list[int] = []
         for page in self._free_pages():
             num_blocks = len(self._page_blocks(page))
