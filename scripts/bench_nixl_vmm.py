@@ -197,29 +197,29 @@ def _result(nbytes: int, seconds: list[float]) -> dict:
 def _link(args: argparse.Namespace, conn: Any) -> None:
     """One copy of a read's bytes out of the owner's device into the reader's."""
     nbytes = args.blocks_per_read * args.block_bytes
-    seconds = []
     if args.kind == "cuda":
         import torch
 
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-        for i in range(args.warmup + args.iters):
-            torch.cuda.synchronize(0)
-            start = time.perf_counter()
+
+        def copy() -> None:
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize(0)
-            if i >= args.warmup:
-                seconds.append(time.perf_counter() - start)
     else:
         import ctypes
 
-        src_buf, dst_buf = ctypes.create_string_buffer(nbytes), ctypes.create_string_buffer(
-            nbytes)
-        for i in range(args.warmup + args.iters):
-            start = time.perf_counter()
+        src_buf = ctypes.create_string_buffer(nbytes)
+        dst_buf = ctypes.create_string_buffer(nbytes)
+
+        def copy() -> None:
             ctypes.memmove(dst_buf, src_buf, nbytes)
-            if i >= args.warmup:
-                seconds.append(time.perf_counter() - start)
+    seconds = []
+    for i in range(args.warmup + args.iters):
+        start = time.perf_counter()
+        copy()
+        if i >= args.warmup:
+            seconds.append(time.perf_counter() - start)
     conn.send(_result(nbytes, seconds))
 
 
