@@ -35,7 +35,8 @@ TITLES = {
 }
 TARGETS = {"sharing-ttft": ("<=", 0.5), "sharing-single": (">=", 0.97),
            "throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
-           "pd-transfer": (">=", 0.9), "pd-ttft": ("<=", 1.1), "tp2-startup": ("<=", 1.1), "idle-ttft": ("<=", 1.1)}
+           "pd-transfer": (">=", 0.9), "pd-ttft": ("<=", 1.1), "tp2-startup": ("<=", 1.1),
+           "idle-ttft": ("<=", 1.1)}
 
 #: Key of item 1's first request after the engine went idle and (VMM) shrank.
 IDLE_TTFT = "first request after idle, TTFT (s)"
@@ -141,11 +142,10 @@ def render_results(results: dict, png_prefix: str = "") -> str:
         elif item == "pagemap":
             us = data["us_per_page"]
             for key, ratio in data["ratios"].items():
-                spread = f"[{ratio['min']:.3f}..{ratio['max']:.3f}]"
                 target = (_verdict("pagemap", ratio["median"])
                           if key == "map per page / raw map" else ("", ""))
                 row(item, f"{name}, {data['backend']}: {key}", "", "",
-                    f"{ratio['median']:.3f} {spread}, n={data['invocations']}", *target)
+                    f"{_fraction(ratio)}, n={data['invocations']}", *target)
             details.append(f"- {title}, {data['backend']} backend, {data['pages']} pages x "
                            f"{data['repeats']} rounds, median of {data['invocations']} "
                            "invocation(s): " + ", ".join(f"{k} {v:.2f}" for k, v in us.items())
@@ -210,6 +210,7 @@ def _spread(s: dict) -> str:
 
 
 def _fraction(s: dict) -> str:
+    """A ratio's median [min..max], three decimals."""
     return f"{s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}]"
 
 
