@@ -65,15 +65,40 @@ def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
     return seconds
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on, no more of them than its cgroup's CPU quota
+    (cpu.max) pays for: a container limited to 2 CPUs of a larger host sees all of the
+    host's CPUs in its affinity mask, and OpenMP threads bound to each of them would spin
+    in turn on the quota, starving every other thread of the instance."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        if (cgroup / "cpu.max").exists():  # cgroup v2
+            quota, period = (cgroup / "cpu.max").read_text().split()
+        else:  # cgroup v1
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        if quota not in ("max", "-1"):
+            cpus = cpus[:max(1, -(-int(quota) // int(period)))]
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def cpu_halves() -> tuple[list[int], list[int]]:
+    """Two disjoint halves of the usable CPUs (the same one twice on a single CPU)."""
+    cpus = usable_cpus()
+    half = max(1, len(cpus) // 2)
+    return cpus[:half], cpus[half:] or cpus[:half]
+
+
 def cpu_half(role: str) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for one of two instances on this host's CPUs: the prefill
     instance's workers on the first half, the decode's on the second. Two instances whose
     OpenMP threads spin on the same cores starve each other's NIXL progress (on two cores,
     reads then took minutes)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cpus) // 2)
-    mine = cpus[:half] if role == "prefill" else (cpus[half:] or cpus[:half])
-    return ",".join(map(str, mine))
+    first, second = cpu_halves()
+    return ",".join(map(str, first if role == "prefill" else second))
 
 
 def instance_env(device: str, role: str) -> dict[str, str]:

@@ -155,10 +155,9 @@ def _prompts() -> list[dict]:
 def _omp_binding() -> str:
     """One CPU list per worker: the CPU backend's automatic binding wants a
     NUMA node per worker, which small hosts do not have."""
-    cpus = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cpus) // 2)
-    first, second = cpus[:half], cpus[half:] or cpus[:half]
-    return "|".join(",".join(map(str, part)) for part in (first, second))
+    from bench_pd import cpu_halves
+
+    return "|".join(",".join(map(str, part)) for part in cpu_halves())
 
 
 def _run_engine(
