@@ -272,6 +272,17 @@ def check_disaggregated(reference: list[list[int]], prefill: dict, decode: dict,
         f"metrics after each wave: {decode['nixl']}")
 
 
+def same_host_reads(decode: dict, workdir: Path) -> tuple[dict[str, int], str]:
+    """The decode worker's same-host read counters after the last wave, and the lines of
+    both instances' logs that say why a channel opened or not (for assertion messages)."""
+    lines = [f"{role}: {line.strip()}"
+             for role in ("prefill", "decode")
+             if (workdir / f"{role}.log").exists()
+             for line in (workdir / f"{role}.log").read_text().splitlines()
+             if "same-host" in line.lower() or "NIXL/UCX" in line]
+    return decode["stats"][-1][0].get("same_host", {}), "\n".join(lines[-20:])
+
+
 def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]],
                       backend: str | tuple[str, str],
                       env_of: Callable[[str], dict[str, str]], node_args: list[str],

@@ -87,16 +87,12 @@ def _check(reference: list[list[int]], prefill: dict, decode: dict) -> None:
                              full_blocks * BLOCK_KV_BYTES)
 
 
-def _same_host_reads(decode: dict) -> dict[str, int]:
-    """The decode worker's same-host read counters after the last wave."""
-    return decode["stats"][-1][0].get("same_host", {})
-
-
 def test_disaggregated_stock_kv_matches_single_instance(pd_model, reference, tmp_path):
     prefill, decode = run_disaggregated(pd_model, tmp_path, "default")
     _check(reference, prefill, decode)
     # Stock KV: nothing to share, every read went through NIXL/UCX.
-    assert _same_host_reads(decode).get("reads", 0) == 0
+    same_host, why = node.same_host_reads(decode, tmp_path)
+    assert same_host.get("reads", 0) == 0, f"{same_host}\n{why}"
 
 
 def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_path):
@@ -110,11 +106,11 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
     # Same host: the prefill instance shared its chunks, and every prompt's KV came as
     # local copies out of them, none through UCX and none failed.
     full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
-    same_host = _same_host_reads(decode)
-    assert same_host["channels"] >= 1, same_host
-    assert same_host["reads"] >= 1, same_host
-    assert same_host["bytes"] >= full_blocks * BLOCK_KV_BYTES, same_host
-    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, same_host
+    same_host, why = node.same_host_reads(decode, tmp_path)
+    assert same_host.get("channels", 0) >= 1, f"{same_host}\n{why}"
+    assert same_host["reads"] >= 1, f"{same_host}\n{why}"
+    assert same_host["bytes"] >= full_blocks * BLOCK_KV_BYTES, f"{same_host}\n{why}"
+    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, f"{same_host}\n{why}"
     # The prefill instance mapped pages while prefilling the second wave: the requests
     # it finished then tell the decode instance that its registrations changed.
     second = json.loads((tmp_path / "params1.json").read_text())
@@ -134,8 +130,8 @@ def test_disaggregated_vmm_kv_through_ucx_with_the_same_host_path_off(pd_model, 
     prefill, decode = run_disaggregated(pd_model, tmp_path, "vmm",
                                         connector_extra={"vmm_same_host": False})
     _check(reference, prefill, decode)
-    same_host = _same_host_reads(decode)
-    assert same_host["channels"] == 0 and same_host["reads"] == 0, same_host
+    same_host, why = node.same_host_reads(decode, tmp_path)
+    assert same_host["channels"] == 0 and same_host["reads"] == 0, f"{same_host}\n{why}"
     second = json.loads((tmp_path / "params1.json").read_text())
     assert max(t.get("remote_registration_epoch", 0) for t in second) >= 1
     assert "same-host" not in (tmp_path / "decode.log").read_text()
@@ -147,7 +143,24 @@ def test_disaggregated_stock_prefill_vmm_decode_reads_through_ucx(pd_model, refe
     instance finds no same-host channel, says why once, and reads through NIXL/UCX."""
     prefill, decode = run_disaggregated(pd_model, tmp_path, ("default", "vmm"))
     _check(reference, prefill, decode)
-    same_host = _same_host_reads(decode)
-    assert same_host["channels"] == 0 and same_host["reads"] == 0, same_host
+    same_host, why = node.same_host_reads(decode, tmp_path)
+    assert same_host["channels"] == 0 and same_host["reads"] == 0, f"{same_host}\n{why}"
     log = (tmp_path / "decode.log").read_text()
     assert "go through NIXL/UCX: no same-host channel" in log
+
+
+def test_disaggregated_vmm_prefill_stock_decode_reads_through_shared_memory(pd_model, reference,
+                                                                            tmp_path):
+    """The other mixed pair: a VMM prefill instance shares its chunks and the stock decode
+    instance reads every prompt's KV as local copies out of them into its stock KV tensors
+    (NIXL could not even prepare descriptors over the prefill instance's unmapped pages).
+    The second wave's new chunks reach the decode instance over the same channel."""
+    prefill, decode = run_disaggregated(pd_model, tmp_path, ("vmm", "default"))
+    _check(reference, prefill, decode)
+    full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
+    same_host, why = node.same_host_reads(decode, tmp_path)
+    assert same_host.get("channels", 0) >= 1, f"{same_host}\n{why}"
+    assert same_host["bytes"] >= full_blocks * BLOCK_KV_BYTES, f"{same_host}\n{why}"
+    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, f"{same_host}\n{why}"
+    second = json.loads((tmp_path / "params1.json").read_text())
+    assert max(t.get("remote_registration_epoch", 0) for t in second) >= 1

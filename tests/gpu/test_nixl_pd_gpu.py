@@ -3,7 +3,7 @@ GPU 0 and a decode instance on GPU 1 (each its own process tree, dummy weights, 
 Llama), KV read by the decode instance from the prefill instance's GPU memory through NIXL
 (UCX; cuda_ipc where UCX picks it; VMM-backed KV over the same-host path). The decode's
 token ids must equal a single instance's, with the KV cache memory backend off on both
-instances and VMM-backed on both.
+instances, VMM-backed on both, and VMM-backed on the prefill instance only.
 
 The flow is tests/engine/nixl_pd_node.py's (the CPU engine test runs the same one with host
 memory); only the environment differs: one GPU per instance, kv_buffer_device "cuda".
@@ -97,6 +97,18 @@ def _check(node, reference: list[list[int]], prefill: dict, decode: dict,
                              nixl_metrics_complete=False)
 
 
+def _check_same_host(node, decode: dict, model: Path, workdir: Path) -> None:
+    """Same host: the prefill instance shared its cuMemCreate chunks as POSIX fds, the
+    decode instance imported them and every prompt's KV came as device copies out of them,
+    none through UCX (which would stage VMM memory through the host) and none failed."""
+    full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
+    same_host, why = node.same_host_reads(decode, workdir)
+    assert same_host.get("channels", 0) >= 1, f"{same_host}\n{why}"
+    assert same_host["reads"] >= 1, f"{same_host}\n{why}"
+    assert same_host["bytes"] >= full_blocks * _block_kv_bytes(model), f"{same_host}\n{why}"
+    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, f"{same_host}\n{why}"
+
+
 def test_disaggregated_stock_kv_on_two_gpus(node, pd_model, reference, tmp_path):
     prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(), "default",
                                              _env, NODE_ARGS, timeout=TIMEOUT)
@@ -111,15 +123,7 @@ def test_disaggregated_vmm_kv_on_two_gpus(node, pd_model, reference, tmp_path):
     prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(), "vmm",
                                              _env, NODE_ARGS, timeout=TIMEOUT)
     _check(node, reference, prefill, decode, pd_model, nixl_bytes=False)
-    # Same host: the prefill instance shared its cuMemCreate chunks as POSIX fds, the decode
-    # instance imported them and every prompt's KV came as device copies out of them, none
-    # through UCX (which would stage VMM memory through the host) and none failed.
-    full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
-    same_host = decode["stats"][-1][0].get("same_host", {})
-    assert same_host.get("channels", 0) >= 1, same_host
-    assert same_host["reads"] >= 1, same_host
-    assert same_host["bytes"] >= full_blocks * _block_kv_bytes(pd_model), same_host
-    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, same_host
+    _check_same_host(node, decode, pd_model, tmp_path)
     # The prefill instance mapped pages while prefilling the second wave: the requests
     # it finished then tell the decode instance that its registrations changed.
     second = json.loads((tmp_path / "params1.json").read_text())
@@ -129,3 +133,19 @@ def test_disaggregated_vmm_kv_on_two_gpus(node, pd_model, reference, tmp_path):
     for side in (prefill, decode):
         start, after_first, after_second = [s[0] for s in side["stats"]]
         assert after_second["kv_pages_mapped_total"] > after_first["kv_pages_mapped_total"]
+
+
+def test_disaggregated_vmm_prefill_stock_decode_on_two_gpus(node, pd_model, reference,
+                                                             tmp_path):
+    """The mixed pair a stock decode instance makes with a VMM prefill instance: NIXL could
+    not prepare descriptors over the prefill's unmapped pages; the decode instance reads
+    the chunks the prefill shares over the same-host path into its stock KV tensors."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not hasattr(EngineArgs, "kv_cache_memory_backend"):
+        pytest.skip("this vLLM tree does not carry the VMM-backed KV cache patch")
+    prefill, decode = node.run_disaggregated(pd_model, tmp_path, _prompts(),
+                                             ("vmm", "default"), _env, NODE_ARGS,
+                                             timeout=TIMEOUT)
+    _check(node, reference, prefill, decode, pd_model, nixl_bytes=False)
+    _check_same_host(node, decode, pd_model, tmp_path)

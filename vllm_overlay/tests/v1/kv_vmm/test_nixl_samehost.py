@@ -715,6 +715,111 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
             backend.close()
 
 
+@requires_nixl
+def test_stock_reader_copies_a_vmm_peers_chunks_and_prepares_stock_peers(
+    monkeypatch, caplog
+):
+    """A reader with stock KV tensors (a plain registered buffer) and two real
+    NIXL peers: the VMM-backed one opens a channel, so its list stays
+    unprepared and READs of it are local copies whose completion notifies it
+    through NIXL; the stock one has no channel (said at debug level only)
+    and its list and READs are NIXL's prepared ones."""
+    if "UCX_TLS" not in os.environ:
+        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from vllm.v1.kv_vmm.nixl_connector import NixlVmmWorker
+    from vllm.v1.kv_vmm.nixl_segments import StockKVXferAgent
+
+    def agent(role):
+        return nixl_agent(f"{role}-{uuid.uuid4()}", nixl_agent_config(backends=["UCX"]))
+
+    def stock_buffer(agent, value):
+        buf = torch.full((NUM_BLOCKS * BLOCK,), value, dtype=torch.uint8)
+        agent.register_memory(
+            agent.get_reg_descs([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
+        )
+        return buf
+
+    backend, p_table = _table()
+    p_table.map_pages([0, 1])
+    p_agent = agent("prefill")
+    producer = NixlVmmWorker(p_agent)
+    producer.page_table = p_table
+    p_base = p_table.tensors[0].data_ptr()
+    producer.register(["DRAM"], False, [(p_base, p_base + 4 * (2 << 20))], 0)
+    s_agent = agent("stock-prefill")
+    s_buf = stock_buffer(s_agent, 9)
+    d_agent = agent("decode")
+    d_buf = stock_buffer(d_agent, 0)
+    reader = NixlVmmWorker(d_agent)
+    d_xfer = reader.read_same_host(["DRAM"], False, 0)
+    try:
+        assert isinstance(d_xfer, StockKVXferAgent)
+        p_name = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+        s_name = d_xfer.add_remote_agent(s_agent.get_agent_metadata())
+        for peer in (p_agent, s_agent):
+            peer.add_remote_agent(d_agent.get_agent_metadata())
+        for b in range(16):
+            _fill(p_table, b, 3 * b + 1)
+        d_base = d_buf.data_ptr()
+        local = d_xfer.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            d_xfer.get_xfer_descs(_rows(d_base, range(NUM_BLOCKS)), "DRAM"),
+        )
+        assert type(local).__name__ != "_PreparedDescs"  # NIXL's own
+        # The VMM peer's blocks beyond its two mapped pages are not registered:
+        # NIXL could not prepare this list.
+        remote = d_xfer.prep_xfer_dlist(
+            p_name, d_xfer.get_xfer_descs(_rows(p_base, range(NUM_BLOCKS)), "DRAM")
+        )
+        assert type(remote).__name__ == "_PreparedDescs"
+        with caplog.at_level("DEBUG"):
+            s_rows = _rows(s_buf.data_ptr(), range(NUM_BLOCKS))
+            stock_remote = d_xfer.prep_xfer_dlist(
+                s_name, d_xfer.get_xfer_descs(s_rows, "DRAM")
+            )
+        assert type(stock_remote).__name__ != "_PreparedDescs"
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        _wait(lambda: reader.same_host.importer(p_name).num_mapped == 2)
+
+        before = same_host_stats()
+        handle = d_xfer.make_prepped_xfer(
+            "READ", local, [0, 1, 2, 3], remote, [12, 13, 14, 15], notif_msg=b"done-1"
+        )
+        assert type(handle).__name__ == "SameHostXfer"
+        d_xfer.transfer(handle)
+        deadline = time.monotonic() + 30
+        while (state := d_xfer.check_xfer_state(handle)) == "PROC":
+            assert time.monotonic() < deadline
+        assert state == "DONE"
+        d_xfer.release_xfer_handle(handle)
+        assert same_host_stats()["reads"] == before["reads"] + 1
+        for i, b in enumerate(range(12, 16)):
+            assert (d_buf[i * BLOCK : (i + 1) * BLOCK] == 3 * b + 1).all()
+        notifs: list[bytes] = []
+        while b"done-1" not in notifs:
+            assert time.monotonic() < deadline, notifs
+            notifs += p_agent.get_new_notifs().get(d_agent.name, [])
+
+        # The stock peer: NIXL's prepared transfer over UCX.
+        handle = d_xfer.make_prepped_xfer("READ", local, [4, 5], stock_remote, [0, 1])
+        assert type(handle).__name__ != "SameHostXfer"
+        assert d_xfer.transfer(handle) in ("PROC", "DONE")
+        while (state := d_xfer.check_xfer_state(handle)) == "PROC":
+            assert time.monotonic() < deadline
+        assert state == "DONE"
+        d_xfer.release_xfer_handle(handle)
+        assert (d_buf[4 * BLOCK : 6 * BLOCK] == 9).all()
+        assert same_host_stats()["reads"] == before["reads"] + 1
+    finally:
+        reader.close()
+        producer.close()
+        p_table.close()
+        backend.close()
+
+
 @pytest.mark.gpu
 @requires_cuda_vmm
 def test_cuda_chunks_are_imported_and_copied():

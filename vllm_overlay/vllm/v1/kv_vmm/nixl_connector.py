@@ -37,11 +37,17 @@ import msgspec
 from vllm.logger import init_logger
 from vllm.v1.kv_vmm.nixl_samehost import (
     ChunkExporter,
+    CudaChunkMemory,
+    HostChunkMemory,
     SameHostReads,
     channel_address,
     chunk_memory_for,
 )
-from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
+from vllm.v1.kv_vmm.nixl_segments import (
+    NixlSegmentRegistry,
+    SegmentedXferAgent,
+    StockKVXferAgent,
+)
 from vllm.v1.kv_vmm.page_table import KVPageTable
 
 logger = init_logger(__name__)
@@ -213,6 +219,45 @@ class NixlVmmWorker:
             "VMM-backed KV cache: NIXL registers %d physical chunks now and "
             "follows segment maps/unmaps",
             len(self.registry.registered_ranges),
+        )
+        return self.agent
+
+    def read_same_host(
+        self, mem_types: Iterable[str], use_host_buffer: bool, device_id: int
+    ) -> Any:
+        """Stock KV tensors: reads of a same-host VMM-backed peer's KV become
+        local copies out of the chunks it shares (:class:`StockKVXferAgent`);
+        returns the agent the connector uses from now on (the same one where
+        that cannot be: the reads then go through NIXL/UCX)."""
+        kinds = sorted(set(mem_types))
+        name = getattr(self.agent, "name", None)
+        if (
+            not self.same_host_enabled
+            or use_host_buffer
+            or len(kinds) != 1
+            or not isinstance(name, str)
+        ):
+            return self.agent
+        memory: Any
+        try:
+            if kinds[0] == "DRAM":
+                memory = HostChunkMemory()
+            else:
+                from vllm.v1.kv_vmm.cuda import CudaVmmBackend
+
+                memory = CudaChunkMemory(CudaVmmBackend(device_id))
+        except Exception as e:
+            logger.info(
+                "Stock KV cache: reads of same-host VMM-backed peers go through "
+                "NIXL/UCX (%s)",
+                e,
+            )
+            return self.agent
+        self.same_host = SameHostReads(memory, name=name, quiet_if_absent=True)
+        self.agent = StockKVXferAgent(
+            self.agent,
+            refresh_remote=self._refresh_in_background,
+            same_host=self.same_host,
         )
         return self.agent
 

@@ -1016,6 +1016,9 @@ class SameHostReads:
             again, in the background, by the first read from the peer this
             long after; one refused for good (no listener, another host or
             user) is not.
+        quiet_if_absent: a peer with no channel at all (not VMM-backed, or
+            on another host) is logged at debug level only: a reader with
+            stock KV tensors asks every peer.
 
     """
 
@@ -1027,6 +1030,7 @@ class SameHostReads:
         identity: tuple[str, str] | None = None,
         connect_timeout_s: float = _CONNECT_TIMEOUT_S,
         retry_after_s: float = 30.0,
+        quiet_if_absent: bool = False,
     ) -> None:
         self.memory = memory
         self.name = name
@@ -1034,6 +1038,7 @@ class SameHostReads:
         self.identity = identity
         self.connect_timeout_s = connect_timeout_s
         self.retry_after_s = retry_after_s
+        self.quiet_if_absent = quiet_if_absent
         self._lock = threading.Lock()
         self._importers: dict[str, ChunkImporter] = {}
         # Peer -> (why its channel is not open, when a retry is due or None).
@@ -1064,7 +1069,12 @@ class SameHostReads:
                 previous = self._unavailable.get(_key(agent_name))
                 first = previous is None or previous[0] != str(e)
                 self._unavailable[_key(agent_name)] = (str(e), retry)
-            if first:
+            absent = isinstance(
+                e.__cause__, (ConnectionRefusedError, FileNotFoundError)
+            )
+            if first and absent and self.quiet_if_absent:
+                logger.debug("KV reads from %s go through NIXL/UCX: %s", agent_name, e)
+            elif first:
                 logger.warning(
                     "KV reads from %s go through NIXL/UCX: %s", agent_name, e
                 )

@@ -261,13 +261,25 @@ def flat_desc_rows(descs: Any) -> np.ndarray:
 
 
 class _Descs:
-    """Transfer descriptors kept as ``(addr, len, dev)`` rows."""
+    """Transfer descriptors as the connector gave them (``source``), as
+    ``(addr, len, dev)`` rows once first asked for."""
 
-    __slots__ = ("rows", "mem_type")
+    __slots__ = ("source", "mem_type", "_rows")
 
-    def __init__(self, rows: np.ndarray, mem_type: str | None) -> None:
-        self.rows = rows
+    def __init__(self, source: Any, mem_type: str | None) -> None:
+        self.source = source
         self.mem_type = mem_type
+        self._rows: np.ndarray | None = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._rows = flat_desc_rows(self.source)
+        return self._rows
+
+    def flatten(self) -> None:
+        """Make the rows now (off the transfer path)."""
+        self._rows = self.rows
 
 
 class _PreparedDescs:
@@ -297,16 +309,18 @@ class SegmentedXferAgent:
     def __init__(
         self,
         agent: Any,
-        registry: NixlSegmentRegistry,
+        registry: NixlSegmentRegistry | None,
         refresh_remote: Callable[[str], bool] | None = None,
         same_host: SameHostReads | None = None,
     ) -> None:
         self._agent = agent
+        # Our VMM-backed KV's registrations (None: stock KV tensors).
         self.registry = registry
         # Fetches a peer's current agent metadata; True if it was updated.
         self.refresh_remote = refresh_remote
         self.same_host = same_host
-        registry.xfer_state = self._xfer_state
+        if registry is not None:
+            registry.xfer_state = self._xfer_state
 
     def _xfer_state(self, handle: Any) -> str:
         if isinstance(handle, SameHostXfer):
@@ -317,7 +331,20 @@ class SegmentedXferAgent:
         return getattr(self._agent, name)
 
     def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> _Descs:
-        return _Descs(flat_desc_rows(descs), mem_type)
+        kept = _Descs(descs, mem_type)
+        kept.flatten()
+        kept.source = None
+        return kept
+
+    def _kept(self, xfer_list: Any, mem_type: str | None) -> _Descs:
+        """``xfer_list`` (ours or the connector's) with ``mem_type`` if given."""
+        if not isinstance(xfer_list, _Descs):
+            return self.get_xfer_descs(xfer_list, mem_type)
+        if mem_type is None:
+            return xfer_list
+        kept = _Descs(xfer_list.source, mem_type)
+        kept._rows = xfer_list._rows
+        return kept
 
     def prep_xfer_dlist(
         self,
@@ -326,11 +353,7 @@ class SegmentedXferAgent:
         mem_type: str | None = None,
         backends: list[str] | None = None,
     ) -> _PreparedDescs:
-        if not isinstance(xfer_list, _Descs):
-            xfer_list = self.get_xfer_descs(xfer_list, mem_type)
-        elif mem_type is not None:
-            xfer_list = _Descs(xfer_list.rows, mem_type)
-        return _PreparedDescs(agent_name, xfer_list)
+        return _PreparedDescs(agent_name, self._kept(xfer_list, mem_type))
 
     def make_prepped_xfer(
         self,
@@ -343,7 +366,30 @@ class SegmentedXferAgent:
         backends: list[str] | None = None,
         skip_desc_merge: bool = False,
     ) -> Any:
-        local = local_xfer_side.descs
+        return self._resolved_xfer(
+            operation,
+            local_xfer_side.descs,
+            local_indices,
+            remote_xfer_side,
+            remote_indices,
+            notif_msg,
+            backends,
+        )
+
+    def _resolved_xfer(
+        self,
+        operation: str,
+        local: _Descs,
+        local_indices: Any,
+        remote_xfer_side: _PreparedDescs,
+        remote_indices: Any,
+        notif_msg: bytes,
+        backends: list[str] | None,
+    ) -> Any:
+        """A transfer of the descriptors ``local_indices`` and
+        ``remote_indices`` name, resolved now: a same-host copy, else NIXL's
+        against the current registrations (the peer's fetched again once if
+        they do not cover it)."""
         remote = remote_xfer_side.descs
         local_rows = local.rows[np.asarray(local_indices, dtype=np.int64)]
         remote_rows = remote.rows[np.asarray(remote_indices, dtype=np.int64)]
@@ -352,7 +398,8 @@ class SegmentedXferAgent:
                 remote_xfer_side.agent_name, local_rows, remote_rows, notif_msg
             )
             if xfer is not None:
-                self.registry.track(xfer, local_rows)
+                if self.registry is not None:
+                    self.registry.track(xfer, local_rows)
                 return xfer
         args = (
             operation,
@@ -367,14 +414,17 @@ class SegmentedXferAgent:
         except Exception as e:
             if type(e).__name__ != "nixlNotFoundError":
                 raise
-            unregistered = self.registry.unregistered(local_rows)
-            if len(unregistered):
+            registry = self.registry
+            unregistered = (
+                registry.unregistered(local_rows) if registry is not None else None
+            )
+            if registry is not None and unregistered is not None and len(unregistered):
                 raise VmmError(
                     f"NIXL {operation} of {len(local_rows)} KV descriptors: "
                     f"{len(unregistered)} local ones are not inside a registered "
                     f"KV segment (first: address {int(unregistered[0, 0]):#x}, "
                     f"{int(unregistered[0, 1])} bytes); registered: "
-                    f"{self.registry.registered_ranges}"
+                    f"{registry.registered_ranges}"
                 ) from e
             # The peer may have mapped (and registered) the segment after we
             # took its metadata: fetch it again, once.
@@ -396,7 +446,8 @@ class SegmentedXferAgent:
                     "longer holds the blocks (e.g. its lease on them expired "
                     "before this read; see the NixlConnector's kv_lease_duration)"
                 ) from e2
-        self.registry.track(handle, local_rows)
+        if self.registry is not None:
+            self.registry.track(handle, local_rows)
         return handle
 
     def transfer(self, handle: Any, notif_msg: bytes = b"") -> str:
@@ -420,7 +471,8 @@ class SegmentedXferAgent:
         return self._agent.get_xfer_telemetry(handle)
 
     def release_xfer_handle(self, handle: Any) -> None:
-        self.registry.untrack(handle)
+        if self.registry is not None:
+            self.registry.untrack(handle)
         if isinstance(handle, SameHostXfer):
             assert self.same_host is not None
             self.same_host.release(handle)
@@ -430,3 +482,103 @@ class SegmentedXferAgent:
     def release_dlist_handle(self, handle: Any) -> None:
         if not isinstance(handle, _PreparedDescs):
             self._agent.release_dlist_handle(handle)
+
+
+class StockKVXferAgent(SegmentedXferAgent):
+    """A ``nixl_agent`` over stock KV tensors that reads same-host
+    VMM-backed peers through shared memory.
+
+    A VMM-backed producer registers its KV per mapped physical chunk, and
+    UCX can only stage such memory through the host; a peer of ours that
+    shares its chunks over a same-host channel (so it is VMM-backed and on
+    this host) gets its descriptor lists kept and resolved per transfer, as
+    :class:`SegmentedXferAgent` does: its READs become local copies out of
+    the shared chunks, and the rest go to NIXL against its registrations of
+    the moment. Our own lists and every other peer's are NIXL's prepared
+    lists and transfers, as without the wrapper; the rows of ours are kept
+    to resolve the reads from the former.
+    """
+
+    def __init__(
+        self,
+        agent: Any,
+        refresh_remote: Callable[[str], bool] | None = None,
+        same_host: SameHostReads | None = None,
+    ) -> None:
+        super().__init__(agent, None, refresh_remote, same_host)
+        # Our prepared lists (NIXL handles) -> their descriptors.
+        self._local: dict[Any, _Descs] = {}
+        self._lock = threading.Lock()
+
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> _Descs:
+        return _Descs(descs, mem_type)  # flattened only if a read needs it
+
+    def prep_xfer_dlist(
+        self,
+        agent_name: str,
+        xfer_list: _Descs,
+        mem_type: str | None = None,
+        backends: list[str] | None = None,
+    ) -> Any:
+        kept = self._kept(xfer_list, mem_type)
+        if (
+            agent_name != self.LOCAL
+            and self.same_host is not None
+            and self.same_host.connect(agent_name)
+        ):
+            with self._lock:
+                local = list(self._local.values())
+            for descs in local:
+                descs.flatten()
+            return _PreparedDescs(agent_name, kept)
+        handle = self._agent.prep_xfer_dlist(
+            agent_name,
+            self._agent.get_xfer_descs(kept.source, kept.mem_type),
+            mem_type,
+            backends or [],
+        )
+        if agent_name == self.LOCAL:
+            with self._lock:
+                self._local[handle] = kept
+        return handle
+
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: Any,
+        local_indices: Any,
+        remote_xfer_side: Any,
+        remote_indices: Any,
+        notif_msg: bytes = b"",
+        backends: list[str] | None = None,
+        skip_desc_merge: bool = False,
+    ) -> Any:
+        if not isinstance(remote_xfer_side, _PreparedDescs):
+            return self._agent.make_prepped_xfer(
+                operation,
+                local_xfer_side,
+                local_indices,
+                remote_xfer_side,
+                remote_indices,
+                notif_msg,
+                backends or [],
+                skip_desc_merge,
+            )
+        with self._lock:
+            local = self._local[local_xfer_side]
+        return self._resolved_xfer(
+            operation,
+            local,
+            local_indices,
+            remote_xfer_side,
+            remote_indices,
+            notif_msg,
+            backends,
+        )
+
+    def release_dlist_handle(self, handle: Any) -> None:
+        if isinstance(handle, _PreparedDescs):
+            return
+        with self._lock:
+            self._local.pop(handle, None)
+        self._agent.release_dlist_handle(handle)
