@@ -69,6 +69,26 @@ def _wait(cond, timeout=10.0):
         time.sleep(0.01)
 
 
+def _run_read(agent, *prepped, notif_msg=b"", timeout=30.0):
+    """One READ of prepared lists through a (wrapped) NIXL agent, polled to
+    its end: (handle, final state); the caller releases the handle."""
+    handle = agent.make_prepped_xfer("READ", *prepped, notif_msg=notif_msg)
+    agent.transfer(handle)
+    deadline = time.monotonic() + timeout
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        assert time.monotonic() < deadline
+    return handle, state
+
+
+def _wait_for_notif(agent, sender, msg, timeout=30.0):
+    """Until ``agent`` got the NIXL notification ``msg`` from ``sender``."""
+    deadline = time.monotonic() + timeout
+    notifs: list[bytes] = []
+    while msg not in notifs:
+        assert time.monotonic() < deadline, notifs
+        notifs += agent.get_new_notifs().get(sender, [])
+
+
 def _finish(reads, xfer, notifs, timeout=10.0):
     deadline = time.monotonic() + timeout
     while (state := reads.check(xfer, lambda a, m: notifs.append((a, m)))) == "PROC":
@@ -682,14 +702,10 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
         _wait(lambda: workers[1].same_host.importer(p_agent.name).num_mapped == 2)
 
         before = same_host_stats()
-        handle = d_xfer.make_prepped_xfer(
-            "READ", local, [0, 1, 2, 3], remote, [12, 13, 14, 15], notif_msg=b"done-1"
+        handle, state = _run_read(
+            d_xfer, local, [0, 1, 2, 3], remote, [12, 13, 14, 15], notif_msg=b"done-1"
         )
         assert type(handle).__name__ == "SameHostXfer"
-        d_xfer.transfer(handle)
-        deadline = time.monotonic() + 30
-        while (state := d_xfer.check_xfer_state(handle)) == "PROC":
-            assert time.monotonic() < deadline
         assert state == "DONE"
         assert d_xfer.get_xfer_telemetry(handle).totalBytes == 4 * BLOCK
         d_xfer.release_xfer_handle(handle)
@@ -697,11 +713,7 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
         flat = d_table.tensors[0].view(torch.uint8)
         for i, b in enumerate(range(12, 16)):
             assert (flat[i * BLOCK : (i + 1) * BLOCK] == 3 * b + 1).all()
-        deadline = time.monotonic() + 30
-        notifs: list[bytes] = []
-        while b"done-1" not in notifs:
-            assert time.monotonic() < deadline, notifs
-            notifs += p_agent.get_new_notifs().get(d_agent.name, [])
+        _wait_for_notif(p_agent, d_agent.name, b"done-1")
 
         # The decode's own unmap waits for nothing and shares its chunks too.
         assert workers[0].same_host.connect(d_agent.name)
@@ -785,30 +797,20 @@ def test_stock_reader_copies_a_vmm_peers_chunks_and_prepares_stock_peers(
         _wait(lambda: reader.same_host.importer(p_name).num_mapped == 2)
 
         before = same_host_stats()
-        handle = d_xfer.make_prepped_xfer(
-            "READ", local, [0, 1, 2, 3], remote, [12, 13, 14, 15], notif_msg=b"done-1"
+        handle, state = _run_read(
+            d_xfer, local, [0, 1, 2, 3], remote, [12, 13, 14, 15], notif_msg=b"done-1"
         )
         assert type(handle).__name__ == "SameHostXfer"
-        d_xfer.transfer(handle)
-        deadline = time.monotonic() + 30
-        while (state := d_xfer.check_xfer_state(handle)) == "PROC":
-            assert time.monotonic() < deadline
         assert state == "DONE"
         d_xfer.release_xfer_handle(handle)
         assert same_host_stats()["reads"] == before["reads"] + 1
         for i, b in enumerate(range(12, 16)):
             assert (d_buf[i * BLOCK : (i + 1) * BLOCK] == 3 * b + 1).all()
-        notifs: list[bytes] = []
-        while b"done-1" not in notifs:
-            assert time.monotonic() < deadline, notifs
-            notifs += p_agent.get_new_notifs().get(d_agent.name, [])
+        _wait_for_notif(p_agent, d_agent.name, b"done-1")
 
         # The stock peer: NIXL's prepared transfer over UCX.
-        handle = d_xfer.make_prepped_xfer("READ", local, [4, 5], stock_remote, [0, 1])
+        handle, state = _run_read(d_xfer, local, [4, 5], stock_remote, [0, 1])
         assert type(handle).__name__ != "SameHostXfer"
-        assert d_xfer.transfer(handle) in ("PROC", "DONE")
-        while (state := d_xfer.check_xfer_state(handle)) == "PROC":
-            assert time.monotonic() < deadline
         assert state == "DONE"
         d_xfer.release_xfer_handle(handle)
         assert (d_buf[4 * BLOCK : 6 * BLOCK] == 9).all()

@@ -358,23 +358,39 @@ class SegmentedXferAgent:
     def make_prepped_xfer(
         self,
         operation: str,
-        local_xfer_side: _PreparedDescs,
+        local_xfer_side: Any,
         local_indices: Any,
-        remote_xfer_side: _PreparedDescs,
+        remote_xfer_side: Any,
         remote_indices: Any,
         notif_msg: bytes = b"",
         backends: list[str] | None = None,
         skip_desc_merge: bool = False,
     ) -> Any:
+        if not isinstance(remote_xfer_side, _PreparedDescs):
+            # A list NIXL prepared (a stock peer of StockKVXferAgent).
+            return self._agent.make_prepped_xfer(
+                operation,
+                local_xfer_side,
+                local_indices,
+                remote_xfer_side,
+                remote_indices,
+                notif_msg,
+                backends or [],
+                skip_desc_merge,
+            )
         return self._resolved_xfer(
             operation,
-            local_xfer_side.descs,
+            self._local_descs(local_xfer_side),
             local_indices,
             remote_xfer_side,
             remote_indices,
             notif_msg,
             backends,
         )
+
+    def _local_descs(self, local_xfer_side: Any) -> _Descs:
+        """The descriptors of one of our prepared lists."""
+        return local_xfer_side.descs
 
     def _resolved_xfer(
         self,
@@ -542,39 +558,9 @@ class StockKVXferAgent(SegmentedXferAgent):
                 self._local[handle] = kept
         return handle
 
-    def make_prepped_xfer(
-        self,
-        operation: str,
-        local_xfer_side: Any,
-        local_indices: Any,
-        remote_xfer_side: Any,
-        remote_indices: Any,
-        notif_msg: bytes = b"",
-        backends: list[str] | None = None,
-        skip_desc_merge: bool = False,
-    ) -> Any:
-        if not isinstance(remote_xfer_side, _PreparedDescs):
-            return self._agent.make_prepped_xfer(
-                operation,
-                local_xfer_side,
-                local_indices,
-                remote_xfer_side,
-                remote_indices,
-                notif_msg,
-                backends or [],
-                skip_desc_merge,
-            )
+    def _local_descs(self, local_xfer_side: Any) -> _Descs:
         with self._lock:
-            local = self._local[local_xfer_side]
-        return self._resolved_xfer(
-            operation,
-            local,
-            local_indices,
-            remote_xfer_side,
-            remote_indices,
-            notif_msg,
-            backends,
-        )
+            return self._local[local_xfer_side]
 
     def release_dlist_handle(self, handle: Any) -> None:
         if isinstance(handle, _PreparedDescs):
