@@ -101,6 +101,7 @@ class GatedMemory(HostChunkMemory):
     """Host chunk memory whose copies wait for ``gate`` (a read in flight)."""
 
     def __init__(self):
+        super().__init__()
         self.gate = threading.Event()
         self.copying = threading.Event()
 
@@ -116,6 +117,7 @@ class AsyncGatedMemory(HostChunkMemory):
     set, as a device would finish it. Stands in for the device on CPU."""
 
     def __init__(self):
+        super().__init__()
         self.gate = threading.Event()
         self.copying = threading.Event()
         self.freed = 0
@@ -162,6 +164,44 @@ def test_coalesce_merges_adjacent_rows_on_both_sides():
         (200, 400, 100),
         (1000, 250, 100),
     ]
+
+
+def test_host_copies_take_one_system_call_per_1024_runs_or_fall_back_to_memmove():
+    """Scattered runs (more than one process_vm_readv call holds) land where
+    they belong; a kernel that refuses the call (EPERM under a seccomp
+    profile) leaves memmove doing the copies, from then on."""
+    import ctypes
+    import errno
+
+    rng = np.random.default_rng(0)
+    src = np.arange(3000 * 64, dtype=np.uint8) % 251
+    for refuse in (False, True):
+        memory = HostChunkMemory()
+        calls: list[int] = []
+        real = memory._readv
+        assert real is not None
+
+        def readv(*args, real=real, refuse=refuse, calls=calls):
+            calls.append(args[2])
+            if refuse:
+                ctypes.set_errno(errno.EPERM)
+                return -1
+            return real(*args)
+
+        memory._readv = readv
+        dst = np.zeros_like(src)
+        order = rng.permutation(3000)
+        runs = np.array(
+            [
+                (dst.ctypes.data + 64 * i, src.ctypes.data + 64 * j, 64)
+                for i, j in enumerate(order)
+            ],
+            dtype=np.uint64,
+        )
+        memory.copy(runs)
+        assert (dst.reshape(3000, 64) == src.reshape(3000, 64)[order]).all()
+        assert calls == ([1024] if refuse else [1024, 1024, 952])
+        assert (memory._readv is None) == refuse
 
 
 def test_reader_maps_shared_chunks_and_copies_them(producer):

@@ -515,8 +515,37 @@ class ChunkExporter:
 # -- reader -------------------------------------------------------------------
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+# iovecs per process_vm_readv call (the kernel's UIO_MAXIOV).
+_IOV_MAX = 1024
+
+
+def _process_vm_readv() -> Any:
+    """The C library's ``process_vm_readv``, or None where it has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (AttributeError, OSError):
+        return None
+    iov, count = ctypes.POINTER(_IoVec), ctypes.c_ulong
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, iov, count, iov, count, ctypes.c_ulong]
+    return fn
+
+
 class HostChunkMemory:
-    """Maps shared memfd extents read-only; copies with memmove."""
+    """Maps shared memfd extents read-only; copies a read's runs with
+    ``process_vm_readv`` on this very process, up to 1024 runs per system
+    call: the copying thread gives the GIL up once per call. One memmove
+    per run gave it up and waited for it again at every run while the
+    engine's thread ran Python (on two CPUs: 0.8-1.2 GB/s, against 3.0-3.4
+    through UCX). Where the call is refused (a seccomp profile), memmove.
+    """
+
+    def __init__(self) -> None:
+        self._readv = _process_vm_readv()
 
     def map(self, fd: int, offset: int, nbytes: int) -> tuple[int, Any]:
         return map_shared_extent(fd, offset, nbytes), None
@@ -525,8 +554,44 @@ class HostChunkMemory:
         unmap_shared_extent(addr, nbytes)
 
     def copy(self, runs: np.ndarray) -> None:
+        """Copy the ``(dst, src, n)`` runs."""
+        if self._readv is not None and self._copy_readv(runs):
+            return
         for dst, src, n in runs.tolist():
             ctypes.memmove(dst, src, n)
+
+    def _copy_readv(self, runs: np.ndarray) -> bool:
+        """False (nothing copied, memmove from now on) if the kernel refuses
+        the call; raises if a copy failed part-way."""
+        pid = os.getpid()
+        iov = ctypes.POINTER(_IoVec)
+        runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
+        for start in range(0, len(runs), _IOV_MAX):
+            batch = runs[start : start + _IOV_MAX]
+            # struct iovec {void *base; size_t len;}: two 64-bit words.
+            local = np.ascontiguousarray(batch[:, [0, 2]])
+            remote = np.ascontiguousarray(batch[:, [1, 2]])
+            total = int(batch[:, 2].sum())
+            n = len(batch)
+            got = self._readv(
+                pid, local.ctypes.data_as(iov), n, remote.ctypes.data_as(iov), n, 0
+            )
+            if got == -1 and start == 0:
+                err = ctypes.get_errno()
+                if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+                    logger.info(
+                        "Same-host KV copies use memmove (process_vm_readv: %s)",
+                        os.strerror(err),
+                    )
+                    self._readv = None
+                    return False
+            if got != total:
+                why = os.strerror(ctypes.get_errno()) if got == -1 else f"{got} bytes"
+                raise VmmError(
+                    f"same-host KV copy of {total} bytes failed part-way "
+                    f"(process_vm_readv: {why})"
+                )
+        return True
 
 
 class CudaChunkMemory:
