@@ -431,10 +431,9 @@ class SegmentedXferAgent:
             if type(e).__name__ != "nixlNotFoundError":
                 raise
             registry = self.registry
-            unregistered = (
-                registry.unregistered(local_rows) if registry is not None else None
-            )
-            if registry is not None and unregistered is not None and len(unregistered):
+            if registry is not None and len(
+                unregistered := registry.unregistered(local_rows)
+            ):
                 raise VmmError(
                     f"NIXL {operation} of {len(local_rows)} KV descriptors: "
                     f"{len(unregistered)} local ones are not inside a registered "
