@@ -283,6 +283,17 @@ def same_host_reads(decode: dict, workdir: Path) -> tuple[dict[str, int], str]:
     return decode["stats"][-1][0].get("same_host", {}), "\n".join(lines[-20:])
 
 
+def check_same_host_reads(decode: dict, workdir: Path, min_bytes: int) -> None:
+    """The decode instance read every prompt's KV (at least `min_bytes`) over a same-host
+    channel as local copies out of the prefill instance's shared memory: none through UCX
+    and none failed."""
+    same_host, why = same_host_reads(decode, workdir)
+    assert same_host.get("channels", 0) >= 1, f"{same_host}\n{why}"
+    assert same_host["reads"] >= 1, f"{same_host}\n{why}"
+    assert same_host["bytes"] >= min_bytes, f"{same_host}\n{why}"
+    assert same_host["failed"] == 0 and same_host["fallbacks"] == 0, f"{same_host}\n{why}"
+
+
 def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]],
                       backend: str | tuple[str, str],
                       env_of: Callable[[str], dict[str, str]], node_args: list[str],
