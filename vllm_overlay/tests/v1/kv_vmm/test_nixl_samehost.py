@@ -864,10 +864,13 @@ def test_stock_reader_copies_a_vmm_peers_chunks_and_prepares_stock_peers(
 
 @pytest.mark.gpu
 @requires_cuda_vmm
-def test_cuda_chunks_are_imported_and_copied():
-    """CUDA backend: the exported allocation is imported, mapped with access
-    for the reader's device and copied with one batched, asynchronous copy
-    that a poll completes."""
+@pytest.mark.parametrize("copy", ["kernel", "batch"])
+def test_cuda_chunks_are_imported_and_copied(copy):
+    """CUDA backend: the exported allocations are imported, mapped with
+    access for the reader's device and copied asynchronously, by the copy
+    kernel or with one batched copy, a read that a poll completes: blocks in
+    another order on each side (runs of one block) and adjacent ones (one
+    run)."""
     from vllm.v1.kv_vmm.cuda import CudaVmmBackend
     from vllm.v1.kv_vmm.nixl_samehost import chunk_memory_for
 
@@ -878,25 +881,37 @@ def test_cuda_chunks_are_imported_and_copied():
     name = f"p-{uuid.uuid4()}"
     exporter = ChunkExporter(channel_address(name))
     exporter.attach(table)
-    reads = SameHostReads(chunk_memory_for(backend))
+    memory = chunk_memory_for(backend)
+    # On a GPU host the kernel must be there; "batch" takes it away.
+    assert memory._copier is not None
+    if copy == "batch":
+        memory._copier = None
+    reads = SameHostReads(memory)
     try:
-        table.map_pages([0])
-        table.tensors[0][:BLOCK].fill_(9)
+        table.map_pages([0, 1])
+        for block in range(16):
+            _fill(table, block, block + 1)
         torch.accelerator.synchronize()
         assert reads.connect(name)
-        _wait(lambda: reads.importer(name).num_mapped == 1)
-        dst = torch.zeros(BLOCK, dtype=torch.uint8, device="cuda")
+        _wait(lambda: reads.importer(name).num_mapped == 2)
+        dst = torch.zeros(16 * BLOCK, dtype=torch.uint8, device="cuda")
+        local = [0, 1, 2, 3, 4, 5, 6, 7]
+        remote = [9, 3, 12, 0, 15, 4, 5, 6]  # two pages; 4, 5, 6 adjacent
         xfer = reads.make_read(
             name,
-            _rows(dst.data_ptr(), [0]),
-            _rows(table.tensors[0].data_ptr(), [0]),
+            _rows(dst.data_ptr(), local),
+            _rows(table.tensors[0].data_ptr(), remote),
             b"",
         )
+        assert len(xfer.runs) == 6
         reads.transfer(xfer)
         assert _finish(reads, xfer, []) == "DONE"
-        assert bool((dst == 9).all())
+        got = dst.view(16, BLOCK).cpu()
+        for i, block in enumerate(remote):
+            assert bool((got[i] == block + 1).all()), (i, block)
+        assert bool((got[len(local) :] == 0).all())
         reads.release(xfer)
-        table.unmap_pages([0])
+        table.unmap_pages([0, 1])
         assert reads.importer(name).num_mapped == 0
     finally:
         reads.close()

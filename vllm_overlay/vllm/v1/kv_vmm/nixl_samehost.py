@@ -598,13 +598,14 @@ class CudaChunkMemory:
     """Imports exported CUDA allocations into reservations of this process
     with access for the backend's device; copies on a stream of its own.
 
-    A read's copies are enqueued with one driver call
-    (``cuMemcpyBatchAsync``) on the caller's thread and completed through an
-    event the caller polls, like a NIXL transfer: no thread of ours waits on
-    the device. A thread issuing one driver call per copy would give the GIL
-    up and wait for it again at every call, up to the interpreter's switch
-    interval (5 ms) each while the engine's thread runs Python: 2.6 s for a
-    read of 512 blocks on a GPU host, against 3.8 ms through NIXL.
+    A read's copies are enqueued on the caller's thread, as one kernel
+    (:mod:`vllm.v1.kv_vmm.cuda_copy`) or, where that cannot run, one driver
+    call (``cuMemcpyBatchAsync``), and completed through an event the caller
+    polls, like a NIXL transfer: no thread of ours waits on the device. A
+    thread issuing one driver call per copy would give the GIL up and wait
+    for it again at every call, up to the interpreter's switch interval
+    (5 ms) each while the engine's thread runs Python: 2.6 s for a read of
+    512 blocks on a GPU host, against 3.8 ms through NIXL.
     """
 
     def __init__(self, backend: Any) -> None:
@@ -612,6 +613,30 @@ class CudaChunkMemory:
         self._drv = backend._drv
         self._stream: Any = None
         self._attrs: list[Any] | None = None
+        self._copier: Any = None
+        try:
+            from vllm.v1.kv_vmm.cuda_copy import RunCopier
+
+            self._current()
+            copier = RunCopier(backend.device)
+            copier.warm_up(int(self._stream_handle()))
+            self._copier = copier
+        except Exception as e:
+            logger.info(
+                "Same-host KV reads copy with cuMemcpyBatchAsync: the copy "
+                "kernel cannot run here (%s)",
+                e,
+            )
+
+    def _stream_handle(self) -> Any:
+        """Our stream, created on first use."""
+        if self._stream is None:
+            drv = self._drv
+            self._stream = self.backend._check(
+                drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                "cuStreamCreate",
+            )
+        return self._stream
 
     def _current(self) -> None:
         drv = self._drv
@@ -659,12 +684,12 @@ class CudaChunkMemory:
         completes with them (:meth:`done`, :meth:`wait`, :meth:`free`)."""
         drv, check = self._drv, self.backend._check
         self._current()
-        if self._stream is None:
-            self._stream = check(
-                drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
-                "cuStreamCreate",
-            )
-        rows = runs.tolist()
+        stream = self._stream_handle()
+        if self._copier is not None and self._copier.accepts(runs):
+            self._copier.launch(runs, int(stream))
+            rows = []
+        else:
+            rows = runs.tolist()
         batch = getattr(drv, "cuMemcpyBatchAsync", None)
         if rows and batch is not None:
             if self._attrs is None:
@@ -682,18 +707,18 @@ class CudaChunkMemory:
                     self._attrs,
                     [0],
                     1,
-                    self._stream,
+                    stream,
                 ),
                 "cuMemcpyBatchAsync",
             )
         else:  # drivers before CUDA 12.8
             for dst, src, n in rows:
-                check(drv.cuMemcpyAsync(dst, src, n, self._stream), "cuMemcpyAsync")
+                check(drv.cuMemcpyAsync(dst, src, n, stream), "cuMemcpyAsync")
         event = check(
             drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
             "cuEventCreate",
         )
-        check(drv.cuEventRecord(event, self._stream), "cuEventRecord")
+        check(drv.cuEventRecord(event, stream), "cuEventRecord")
         return event
 
     def done(self, event: Any) -> bool:

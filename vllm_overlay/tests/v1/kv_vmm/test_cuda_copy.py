@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The copy kernel of same-host KV reads (vllm/v1/kv_vmm/cuda_copy.py).
+
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, a
+subprocess: the variable is read when Triton is imported), which executes
+its loads and stores at the real addresses of CPU tensors; on a GPU host
+tests/v1/kv_vmm/test_nixl_samehost.py runs it on the device.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from vllm.v1.kv_vmm.cuda_copy import PIECE_BYTES, RunCopier, split_runs
+
+
+def test_split_runs_cuts_long_runs_into_pieces_that_cover_them():
+    runs = np.array(
+        [[1 << 20, 8 << 20, 32 << 10], [4 << 20, 16 << 20, 2 * PIECE_BYTES + 48]],
+        dtype=np.uint64,
+    )
+    pieces = split_runs(runs)
+    assert pieces.tolist() == [
+        [1 << 20, 8 << 20, 32 << 10],
+        [4 << 20, 16 << 20, PIECE_BYTES],
+        [(4 << 20) + PIECE_BYTES, (16 << 20) + PIECE_BYTES, PIECE_BYTES],
+        [(4 << 20) + 2 * PIECE_BYTES, (16 << 20) + 2 * PIECE_BYTES, 48],
+    ]
+    assert split_runs(np.zeros((0, 3), dtype=np.uint64)).shape == (0, 3)
+
+
+def test_only_runs_of_16_byte_multiples_go_to_the_kernel():
+    assert RunCopier.accepts(np.array([[1 << 20, 2 << 20, 4096]], dtype=np.uint64))
+    assert not RunCopier.accepts(np.array([[1 << 20, 2 << 20, 40]], dtype=np.uint64))
+    assert not RunCopier.accepts(np.array([[(1 << 20) + 8, 0, 16]], dtype=np.uint64))
+
+
+def test_kernel_copies_every_run_and_nothing_else():
+    pytest.importorskip("triton")
+    script = textwrap.dedent(
+        """
+        import numpy as np, torch, triton, triton.language as tl
+        import vllm.v1.kv_vmm.cuda_copy as cc
+
+        # Without a GPU vllm.triton_utils hands out placeholders: the module
+        # keeps the kernel's Python function, which the interpreter runs.
+        cc.tl = tl
+        kernel = triton.jit(getattr(cc._copy_runs_kernel, "fn", cc._copy_runs_kernel))
+        src = torch.arange(1 << 16, dtype=torch.int64)
+        dst = torch.full((1 << 16,), -1, dtype=torch.int64)
+        base = torch.zeros(4, dtype=torch.int64)
+        s, d = src.data_ptr(), dst.data_ptr()
+        # Blocks of 4 KiB in another order on each side, one run longer than
+        # a piece, and runs next to each other.
+        runs = np.array([[d, s + 65536, 4096], [d + 4096, s, 4096],
+                         [d + 8192, s + 8192, 2 * cc.PIECE_BYTES + 512],
+                         [d + 300000, s + 400000, 16]], dtype=np.uint64)
+        pieces = torch.from_numpy(cc.kernel_pieces(runs, base.data_ptr()))
+        kernel[(len(pieces),)](base, pieces, WORDS_PER_ITER=64)
+        want = torch.full_like(dst, -1)
+        for r in runs.tolist():
+            want[r[0] - d >> 3 : r[0] - d + r[2] >> 3] = src[
+                r[1] - s >> 3 : r[1] - s + r[2] >> 3]
+        assert torch.equal(dst, want), (dst != want).nonzero()[:5]
+        assert int((dst >= 0).sum()) == int(runs[:, 2].sum()) // 8
+        print("copied", len(pieces), "pieces")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "copied 6 pieces" in done.stdout

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Many ``(dst, src, nbytes)`` copies between device addresses in one kernel.
+
+A same-host KV read copies a prompt's blocks out of a peer's memory mapped
+into this process, one run per stretch of blocks adjacent on both sides.
+Where the two instances' free block queues hand out blocks in different
+orders, little is adjacent: a 4000-token prompt of a Llama-3.1-8B is 16,000
+blocks of 32 KiB (one per layer, K and V). Enqueued as copy-engine copies
+(``cuMemcpyBatchAsync``, one Python object per address) such a read held the
+engine's thread for up to 74 ms on a GPU host. One kernel copies them with
+the SMs instead: the runs go to the device as one small array, and each
+program copies one piece of a run.
+"""
+
+import numpy as np
+import torch
+
+from vllm.triton_utils import HAS_TRITON, tl, triton
+
+# Longest piece one program copies: long runs are cut so the programs do
+# equal work.
+PIECE_BYTES = 64 << 10
+# What every address and length must be a multiple of (16-byte accesses).
+ALIGNMENT = 16
+_WORDS_PER_ITER = 512  # int64 words each program moves per loop iteration
+
+
+@triton.jit
+def _copy_runs_kernel(base_ptr, pieces_ptr, WORDS_PER_ITER: tl.constexpr):
+    """Copy piece ``program_id`` of ``pieces`` ((dst, src, nwords) rows, in
+    int64 words relative to ``base_ptr``)."""
+    row = tl.program_id(0).to(tl.int64) * 3
+    dst = tl.multiple_of(tl.load(pieces_ptr + row), 2)
+    src = tl.multiple_of(tl.load(pieces_ptr + row + 1), 2)
+    nwords = tl.load(pieces_ptr + row + 2)
+    for start in range(0, nwords, WORDS_PER_ITER):
+        offs = start + tl.arange(0, WORDS_PER_ITER)
+        mask = offs < nwords
+        words = tl.load(base_ptr + src + offs, mask=mask)
+        tl.store(base_ptr + dst + offs, words, mask=mask)
+
+
+def split_runs(runs: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
+    """``(dst, src, n)`` runs cut into pieces of at most ``piece_bytes``."""
+    runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
+    lengths = runs[:, 2].astype(np.int64)
+    counts = np.maximum((lengths + piece_bytes - 1) // piece_bytes, 1)
+    owner = np.repeat(np.arange(len(runs)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offset = ((np.arange(int(counts.sum())) - first) * piece_bytes).astype(np.uint64)
+    pieces = runs[owner].copy()
+    pieces[:, 0] += offset
+    pieces[:, 1] += offset
+    pieces[:, 2] = np.minimum(runs[owner, 2] - offset, np.uint64(piece_bytes))
+    return pieces
+
+
+def kernel_pieces(runs: np.ndarray, base_addr: int) -> np.ndarray:
+    """The kernel's ``(dst, src, nwords)`` rows for ``runs``: pieces of at
+    most :data:`PIECE_BYTES`, addresses as int64 words from ``base_addr``."""
+    pieces = split_runs(runs).astype(np.int64)
+    pieces[:, :2] -= base_addr
+    return pieces // 8
+
+
+class RunCopier:
+    """Launches the copy kernel on a device; every address is taken relative
+    to a small tensor of ours, so one compiled kernel serves all reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("Triton is not available")
+        self.device = device
+        self._base = torch.zeros(4, dtype=torch.int64, device=device)
+        self._base_addr = self._base.data_ptr()
+        if self._base_addr % ALIGNMENT:
+            raise RuntimeError("unaligned base tensor")
+
+    @staticmethod
+    def accepts(runs: np.ndarray) -> bool:
+        """Whether every address and length of ``runs`` allows the kernel's
+        16-byte accesses."""
+        runs = np.asarray(runs, dtype=np.uint64)
+        return not runs.size or not int(np.bitwise_or.reduce(runs.ravel())) % ALIGNMENT
+
+    def launch(self, runs: np.ndarray, stream: int) -> None:
+        """Enqueue the copies of ``runs`` (:meth:`accepts` them) on the CUDA
+        stream ``stream`` (a handle) of our device."""
+        pieces = kernel_pieces(runs, self._base_addr)
+        if not len(pieces):
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+            # Pinned and asynchronous: the host buffer is kept until the copy
+            # ran, the device one is reused in the stream's order.
+            host = torch.from_numpy(pieces).pin_memory()
+            dev = host.to(self.device, non_blocking=True)
+            _copy_runs_kernel[(len(pieces),)](
+                self._base, dev, WORDS_PER_ITER=_WORDS_PER_ITER
+            )
+
+    def warm_up(self, stream: int) -> None:
+        """Compile the kernel now (the engine is starting) with a copy inside
+        our own tensor, and check that it copied."""
+        self._base[2:] = torch.tensor([7, 11], device=self.device)
+        torch.accelerator.synchronize(self.device)
+        addr = self._base_addr
+        self.launch(np.array([[addr, addr + 16, 16]], dtype=np.uint64), stream)
+        torch.cuda.ExternalStream(stream, device=self.device).synchronize()
+        if self._base[:2].tolist() != [7, 11]:
+            raise RuntimeError("the copy kernel did not copy")
