@@ -18,7 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import requires_cuda_vmm, requires_nixl
+from tests.v1.kv_vmm.utils import (
+    requires_cuda_vmm,
+    requires_nixl,
+    ucx_over_loopback,
+)
 from vllm.v1.kv_vmm import (
     HostVmmBackend,
     KVPageGeometry,
@@ -705,9 +709,7 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications(monkeypa
     the decode agent's READs of shared chunks are local copies whose
     completion notifies the prefill agent through NIXL; blocks outside
     shared chunks still go through NIXL/UCX."""
-    if "UCX_TLS" not in os.environ:
-        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
-        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    ucx_over_loopback(monkeypatch)
     from nixl._api import nixl_agent, nixl_agent_config
 
     from vllm.v1.kv_vmm.nixl_connector import NixlVmmWorker
@@ -776,9 +778,7 @@ def test_stock_reader_copies_a_vmm_peers_chunks_and_prepares_stock_peers(
     unprepared and READs of it are local copies whose completion notifies it
     through NIXL; the stock one has no channel (said at debug level only)
     and its list and READs are NIXL's prepared ones."""
-    if "UCX_TLS" not in os.environ:
-        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
-        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    ucx_over_loopback(monkeypatch)
     from nixl._api import nixl_agent, nixl_agent_config
 
     from vllm.v1.kv_vmm.nixl_connector import NixlVmmWorker

@@ -8,24 +8,17 @@ page table over its own reservation. The decode side reads blocks of the
 prefill side, as NixlConnector does.
 """
 
-import os
 import time
 
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import requires_nixl
+from tests.v1.kv_vmm.utils import requires_nixl, ucx_over_loopback
 
 
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
-    # Both agents live in this process and exchange host memory: keep UCX on
-    # TCP/shared memory over the loopback unless the environment chooses.
-    # Left to itself on a host with GPUs or RDMA devices, UCX may pick a
-    # transport these reads never complete on.
-    if "UCX_TLS" not in os.environ:
-        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
-        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    ucx_over_loopback(monkeypatch)
 
 
 BLOCK_BYTES = 256 * 1024  # 8 blocks per 2 MiB page
