@@ -47,13 +47,15 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
-                timeout: float) -> float:
-    """Seconds until the decode instance answers with the first token."""
+                timeout: float) -> tuple[float, float]:
+    """Seconds until the decode instance answers with the first token, and of those the
+    seconds the prefill instance took."""
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
             "ignore_eos": True, "stream": False}
     t0 = time.perf_counter()
     done = _post(prefill.url("/v1/completions"),
                  {**body, "kv_transfer_params": PREFILL_TRANSFER_PARAMS}, timeout)
+    prefill_s = time.perf_counter() - t0
     params = done.get("kv_transfer_params")
     if not params:
         raise RuntimeError(f"the prefill instance returned no kv_transfer_params: {done}")
@@ -62,7 +64,7 @@ def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
     seconds = time.perf_counter() - t0
     if out["usage"]["completion_tokens"] != 1:
         raise RuntimeError(f"the decode instance answered {out['usage']}")
-    return seconds
+    return seconds, prefill_s
 
 
 def usable_cpus() -> list[int]:
@@ -154,17 +156,25 @@ def main() -> None:
             if "error" in health:
                 raise SystemExit(f"{role} instance: {health['error']}")
         prefill, decode = servers["prefill"], servers["decode"]
-        runs = []
+        runs, prefill_runs = [], []
         for i in range(args.requests + 1):
             prompt = [(7919 * i + 13 * j) % 3000 + 100 for j in range(args.prompt_len)]
-            seconds = first_token(prefill, decode, args.model, prompt, args.timeout)
+            seconds, prefill_s = first_token(prefill, decode, args.model, prompt,
+                                             args.timeout)
             if i:  # the first request also makes the NIXL handshake
                 runs.append(seconds * 1000)
-            print(f"request {i}: {seconds * 1000:.1f} ms", flush=True)
+                prefill_runs.append(prefill_s * 1000)
+            print(f"request {i}: {seconds * 1000:.1f} ms (prefill instance "
+                  f"{prefill_s * 1000:.1f} ms)", flush=True)
     finally:
         for server in servers.values():
             server.stop()
+    # Each TTFT split into the prefill instance's part (its prefill, and mapping pages and
+    # publishing registrations with VMM-backed KV) and the decode instance's (the read of
+    # the prompt's KV and the first decode step).
     result = {"ttft_ms": statistics.median(runs), "ttft_ms_runs": runs,
+              "prefill_ms_runs": prefill_runs,
+              "decode_ms_runs": [t - p for t, p in zip(runs, prefill_runs)],
               "backend": args.backend, "prompt_len": args.prompt_len, "engine": engine}
     if args.backend == "vmm":
         # Whether the decode instance read the prefill's VMM KV over the same-host path

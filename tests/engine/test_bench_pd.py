@@ -40,6 +40,10 @@ def test_bench_pd_ttft_on_cpu(tmp_path: Path):
     assert result["backend"] == "vmm" and len(result["ttft_ms_runs"]) == 2
     assert all(ms > 0 for ms in result["ttft_ms_runs"])
     assert result["ttft_ms"] == pytest.approx(statistics.median(result["ttft_ms_runs"]))
+    # Each TTFT splits into the prefill instance's part and the decode instance's.
+    for total, prefill, decode in zip(result["ttft_ms_runs"], result["prefill_ms_runs"],
+                                      result["decode_ms_runs"], strict=True):
+        assert 0 < prefill < total and decode == pytest.approx(total - prefill)
     # Both servers ran with the VMM-backed KV cache and NIXL.
     for role in ("prefill", "decode"):
         log = (tmp_path / f"pd-vmm-{role}.log").read_text(errors="replace")
