@@ -396,6 +396,36 @@ def test_owner_gives_a_chunk_back_only_after_the_reader_dropped_it():
         backend.close()
 
 
+def test_a_reader_that_leaves_while_asked_to_drop_is_no_fault(
+    producer, monkeypatch, caplog
+):
+    """The reader disconnects between the unmap choosing to ask it and the
+    ask: the send fails on the closed channel, which is the end the unmap
+    waits for, so nothing is logged as a fault."""
+    from vllm.v1.kv_vmm import nixl_samehost
+
+    name, _, table, exporter = producer
+    table.map_pages([0, 1])
+    reads = SameHostReads(HostChunkMemory())
+    assert reads.connect(name)
+    _wait(lambda: reads.importer(name).num_mapped == 2)
+    send = nixl_samehost._send
+    asked = []
+
+    def leave_then_send(sock, msg, fds=()):
+        if msg.get("op") == "drop":
+            asked.append(msg["ids"])
+            reads.disconnect(name)
+            _wait(lambda: exporter.num_peers == 0)
+        return send(sock, msg, fds)
+
+    monkeypatch.setattr(nixl_samehost, "_send", leave_then_send)
+    with caplog.at_level("INFO", logger="vllm.v1.kv_vmm.nixl_samehost"):
+        table.unmap_pages([0])
+    assert asked and table.mapped_pages() == [1]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
 def test_unmap_waits_for_a_read_in_flight_and_is_refused_after_the_timeout(producer):
     name, _, table, exporter = producer
     exporter.drop_timeout_s = 0.5

@@ -322,6 +322,8 @@ class ChunkExporter:
                 with peer.send_lock:
                     _send(peer.sock, {"op": "drop", "ids": held})
             except OSError as e:
+                if self._gone(peer):
+                    continue  # it disconnected meanwhile: it maps nothing
                 # It still maps them until its socket closes: wait for that.
                 logger.warning("Same-host KV peer %s: drop not sent (%s)", peer.name, e)
                 self._detach(peer)
@@ -448,6 +450,8 @@ class ChunkExporter:
                     rows.append([i, c.va, c.nbytes, offset])
                 _send(peer.sock, {"op": "add", "chunks": rows, "nfds": len(fds)}, fds)
             except (OSError, VmmError) as e:
+                if self._gone(peer):
+                    return  # it disconnected meanwhile
                 if isinstance(e, OSError) and e.errno == errno.EMFILE:
                     e = SameHostFdLimitError(
                         f"exporting {len(chunks)} KV chunks to {peer.name}: out of "
@@ -459,6 +463,12 @@ class ChunkExporter:
             finally:
                 for fd in fds:
                     os.close(fd)
+
+    def _gone(self, peer: _Peer) -> bool:
+        """Whether the peer's channel closed (its loop saw the end): a send
+        that failed because of that is no fault."""
+        with self._lock:
+            return peer.closed
 
     def _detach(self, peer: _Peer) -> None:
         """Tell the peer to drop everything (it closes when it did)."""
