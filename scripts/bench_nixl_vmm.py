@@ -21,6 +21,8 @@ prompt's KV (one descriptor per block).
   a read did not take that path.
 * ``vmm_ucx``: the same with the same-host path off: every read goes
   through NIXL/UCX (the path between hosts).
+* ``vmm_batch`` (only with ``--modes``): ``vmm`` with the reader's copies
+  enqueued as one ``cuMemcpyBatchAsync`` instead of the copy kernel.
 * ``link``: the reader's device copies the same number of bytes out of one
   allocation of the owner's device in one copy: what the link between them
   moves (on the host: one memmove).
@@ -36,7 +38,7 @@ The shape of one prompt's read in the P/D TTFT item (Llama-3.1-8B, 4000 tokens: 
 blocks x 32 layers x K and V, 32 KiB each), without the slow path between hosts::
 
     python scripts/bench_nixl_vmm.py --kind cuda --block-bytes 32768 --num-blocks 32768 \
-        --blocks-per-read 16000 --modes stock,vmm,link
+        --blocks-per-read 16000 --modes stock,vmm,vmm_batch,link
 
 On the host (DRAM over UCX loopback)::
 
@@ -102,7 +104,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
                               num_blocks=1, granularity=backend.granularity)
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
     exporter = same_host = None
-    if mode == "vmm":
+    if mode in ("vmm", "vmm_batch"):
         # As NixlVmmWorker does: shared before the NIXL registry is attached.
         from vllm.v1.kv_vmm.nixl_samehost import (
             ChunkExporter,
@@ -113,7 +115,8 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
 
         exporter = ChunkExporter(channel_address(agent.name))
         exporter.attach(table)
-        same_host = SameHostReads(chunk_memory_for(backend), name=agent.name)
+        same_host = SameHostReads(chunk_memory_for(backend, copy_kernel=mode == "vmm"),
+                                  name=agent.name)
     registry = NixlSegmentRegistry(agent, mem_type, dev_id)
     registry.attach(table)
     table.map_pages(range(geometry.num_pages))
@@ -253,6 +256,7 @@ def _run(mode: str, args: argparse.Namespace) -> dict:
 
 
 MODES = ("stock", "vmm", "vmm_ucx", "link")
+OPTIONAL_MODES = ("vmm_batch",)
 
 
 def main() -> None:
@@ -270,8 +274,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
-    if unknown := sorted(set(modes) - set(MODES)):
-        parser.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    if unknown := sorted(set(modes) - set(MODES + OPTIONAL_MODES)):
+        parser.error(f"unknown mode(s) {unknown}; choose from "
+                     f"{', '.join(MODES + OPTIONAL_MODES)}")
     if args.kind == "cuda":
         import torch
 

@@ -911,11 +911,9 @@ def test_cuda_chunks_are_imported_and_copied(copy):
     name = f"p-{uuid.uuid4()}"
     exporter = ChunkExporter(channel_address(name))
     exporter.attach(table)
-    memory = chunk_memory_for(backend)
-    # On a GPU host the kernel must be there; "batch" takes it away.
-    assert memory._copier is not None
-    if copy == "batch":
-        memory._copier = None
+    memory = chunk_memory_for(backend, copy_kernel=copy == "kernel")
+    # On a GPU host the kernel must be there when asked for.
+    assert (memory._copier is not None) == (copy == "kernel")
     reads = SameHostReads(memory)
     try:
         table.map_pages([0, 1])
