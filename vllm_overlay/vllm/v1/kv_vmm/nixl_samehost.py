@@ -700,9 +700,19 @@ class CudaChunkMemory:
         stream = self._stream_handle()
         if self._copier is not None and self._copier.accepts(runs):
             self._copier.launch(runs, int(stream))
-            rows = []
         else:
-            rows = runs.tolist()
+            self._copy_engine_copies(runs.tolist(), stream)
+        event = check(
+            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+            "cuEventCreate",
+        )
+        check(drv.cuEventRecord(event, stream), "cuEventRecord")
+        return event
+
+    def _copy_engine_copies(self, rows: list[list[int]], stream: Any) -> None:
+        """The copies as one ``cuMemcpyBatchAsync`` (one ``cuMemcpyAsync``
+        each with drivers before CUDA 12.8)."""
+        drv, check = self._drv, self.backend._check
         batch = getattr(drv, "cuMemcpyBatchAsync", None)
         if rows and batch is not None:
             if self._attrs is None:
@@ -724,15 +734,9 @@ class CudaChunkMemory:
                 ),
                 "cuMemcpyBatchAsync",
             )
-        else:  # drivers before CUDA 12.8
+        else:
             for dst, src, n in rows:
                 check(drv.cuMemcpyAsync(dst, src, n, stream), "cuMemcpyAsync")
-        event = check(
-            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-            "cuEventCreate",
-        )
-        check(drv.cuEventRecord(event, stream), "cuEventRecord")
-        return event
 
     def done(self, event: Any) -> bool:
         """Whether the copies of ``event`` finished (raises if they failed)."""
