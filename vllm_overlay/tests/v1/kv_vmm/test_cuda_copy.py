@@ -50,6 +50,21 @@ def test_kernel_copies_every_run_and_nothing_else():
         # Without a GPU vllm.triton_utils hands out placeholders: the module
         # keeps the kernel's Python function, which the interpreter runs.
         cc.tl = tl
+
+        # Some Triton releases' interpreters cannot take a loop bound loaded
+        # from memory under NumPy >= 2.4 (``int()`` of a 1-element array);
+        # that is the interpreter's limit, not the kernel's.
+        @triton.jit
+        def loaded_bound(n_ptr, out_ptr):
+            for i in range(0, tl.load(n_ptr), 1):
+                tl.store(out_ptr + i, i)
+
+        try:
+            loaded_bound[(1,)](torch.full((1,), 2), torch.zeros(2, dtype=torch.int64))
+        except Exception as e:
+            print("SKIP", f"Triton {triton.__version__} with NumPy "
+                  f"{np.__version__} cannot interpret a loaded loop bound: {e}")
+            raise SystemExit(0)
         kernel = triton.jit(getattr(cc._copy_runs_kernel, "fn", cc._copy_runs_kernel))
         src = torch.arange(1 << 16, dtype=torch.int64)
         dst = torch.full((1 << 16,), -1, dtype=torch.int64)
@@ -80,4 +95,6 @@ def test_kernel_copies_every_run_and_nothing_else():
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.startswith("SKIP "):
+        pytest.skip(done.stdout[5:].strip())
     assert "copied 6 pieces" in done.stdout

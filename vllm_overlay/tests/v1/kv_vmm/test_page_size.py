@@ -95,10 +95,13 @@ def test_page_larger_than_the_cache_is_refused():
         kv_page_multiple(config, [UNIT], 10, 0)
 
 
-def test_cli_takes_human_readable_sizes():
+def test_cli_takes_human_readable_sizes(tmp_path):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--kv-cache-vmm-page-bytes", "1G"])
+    # A local model directory: with HF_HUB_OFFLINE=1 EngineArgs resolves a
+    # hub name (the default model) against a cache that may be empty.
+    model = ["--model", str(tmp_path)]
+    args = parser.parse_args([*model, "--kv-cache-vmm-page-bytes", "1G"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.kv_cache_vmm_page_bytes == 1 << 30
-    default = EngineArgs.from_cli_args(parser.parse_args([]))
+    default = EngineArgs.from_cli_args(parser.parse_args(model))
     assert default.kv_cache_vmm_page_bytes is None
