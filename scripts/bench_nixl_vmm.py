@@ -153,8 +153,15 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
                                                              agent)
     blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
                        for b in range(args.num_blocks)], dtype=np.uint64)
-    conn.send((agent.get_agent_metadata(), blocks))
-    peer_meta, peer_blocks = conn.recv()
+    # One side sends first: a table of many blocks is more than a pipe holds, and
+    # two sides that both send before they receive wait for each other for ever.
+    mine = (agent.get_agent_metadata(), blocks)
+    if role == "owner":
+        conn.send(mine)
+        peer_meta, peer_blocks = conn.recv()
+    else:
+        peer_meta, peer_blocks = conn.recv()
+        conn.send(mine)
     if role == "owner":
         assert conn.recv() == "done"
         conn.send(None)
