@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from own_session import run_in_own_session
 
 # Not an engine, but the tier whose environment has NIXL and the patched vLLM.
 pytestmark = pytest.mark.engine
@@ -34,16 +33,8 @@ def test_every_mode_reads_a_table_larger_than_a_pipe(tmp_path: Path):
            "--warmup", str(warmup), "--iters", str(iters),
            "--modes", "stock,vmm,vmm_ucx,link", "--json", str(out)]
     env = dict(os.environ, UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo")
-    # A session of its own: on a timeout its two agent processes go with it.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"bench_nixl_vmm.py did not finish in 300 s: {stderr[-2000:]}")
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    done = run_in_own_session(cmd, env=env, timeout=300, what="bench_nixl_vmm.py")
+    assert done.returncode == 0, done.stdout[-4000:]
     results = json.loads(out.read_text())
     for mode in ("stock", "vmm", "vmm_ucx", "link"):
         r = results[mode]

@@ -24,13 +24,12 @@ OffloadingConnector with only the device copy engine replaced by a host copy
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from own_session import run_in_own_session
 from tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -187,22 +186,9 @@ def _run_engine(
         [str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     )
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _omp_binding())
-    # Own session, so that a hanging engine and its workers are all stopped.
-    with subprocess.Popen(
-        [sys.executable, str(script), json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    ) as proc:
-        try:
-            output, _ = proc.communicate(timeout=540)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            pytest.fail(f"engine did not finish in 540 s:\n{output[-4000:]}")
-    return proc.returncode, output
+    done = run_in_own_session([sys.executable, str(script), json.dumps(args)], env=env,
+                              timeout=540, what="engine")
+    return done.returncode, done.stdout
 
 
 def _result(returncode: int, output: str) -> dict:
