@@ -153,20 +153,16 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
                                                              agent)
     blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
                        for b in range(args.num_blocks)], dtype=np.uint64)
-    # One side sends first: a table of many blocks is more than a pipe holds, and
-    # two sides that both send before they receive wait for each other for ever.
-    mine = (agent.get_agent_metadata(), blocks)
     if role == "owner":
-        conn.send(mine)
-        peer_meta, peer_blocks = conn.recv()
-    else:
-        peer_meta, peer_blocks = conn.recv()
-        conn.send(mine)
-    if role == "owner":
+        # Only the reader needs the other side's table. (When both sent theirs before
+        # receiving, a table of many blocks, more than a pipe holds, had each side wait
+        # for the other for ever.)
+        conn.send((agent.get_agent_metadata(), blocks))
         assert conn.recv() == "done"
         conn.send(None)
         close()
         return
+    peer_meta, peer_blocks = conn.recv()
     peer = xfer.add_remote_agent(peer_meta)
     if same_host is not None and not same_host.connect(peer):
         raise SystemExit(f"{mode}: the same-host channel to {peer!r} did not open")
