@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from buildtree import in_progress_am, is_build_tree, require_clean, require_no_user_commits  # noqa: E402
+from buildtree import is_build_tree, require_clean, require_no_user_commits  # noqa: E402
 from seriestool import SeriesError, build_dir, get_release, load_matrix, main_guard  # noqa: E402
+from treework import operation_in_progress  # noqa: E402
 
 
 def clean_tree(release, force: bool) -> str:
@@ -25,7 +26,7 @@ def clean_tree(release, force: bool) -> str:
     if not tree.exists():
         return f"{tree}: not there"
     if not force and is_build_tree(tree, release):
-        if not in_progress_am(tree):
+        if operation_in_progress(tree) != "am":
             require_no_user_commits(tree, release, "clean-tree")
         require_clean(tree, release, "clean-tree")
     shutil.rmtree(tree)
