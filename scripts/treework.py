@@ -279,3 +279,60 @@ def rev(tree: Path, name: str) -> str | None:
 def is_harness_commit(tree: Path, commit: str) -> bool:
     committer = git(tree, "log", "-1", "--format=%ce", commit).stdout.strip()
     return committer == HARNESS_IDENT["GIT_COMMITTER_EMAIL"]
+
+
+def heads(tree: Path) -> list[tuple[str, str]]:
+    """(description, commit) of every ref that can hold the user's commits: branches, tags, notes...
+    (not remote-tracking refs, whose commits a remote has; not the stash, see stash_count),
+    a detached HEAD, and the HEADs of linked worktrees."""
+    out = git(tree, "for-each-ref", "--format=%(refname)%00%(objectname)").stdout
+    found = []
+    for line in out.splitlines():
+        ref, _, sha = line.partition("\0")
+        if ref.startswith("refs/remotes/") or ref == "refs/stash":
+            continue
+        for prefix, kind in (("refs/heads/", "branch "), ("refs/tags/", "tag ")):
+            if ref.startswith(prefix):
+                ref = kind + ref.removeprefix(prefix)
+        found.append((ref, sha))
+    if git(tree, "symbolic-ref", "-q", "HEAD", check=False).returncode != 0:
+        head = rev(tree, "HEAD")
+        if head:
+            found.append(("HEAD (detached)", head))
+    for admin, path in linked_worktrees(tree):
+        try:
+            head = (admin / "HEAD").read_text().strip()
+        except OSError:
+            continue
+        if head and not head.startswith("ref:"):
+            found.append((f"HEAD of worktree {path}", head))
+    return found
+
+
+def foreign_commits(tree: Path, known: list[str]) -> dict[tuple[str, str], list[str]]:
+    """Per (ref description, commit), "<short id> <subject>" of its commits that are not
+    `known` or their ancestors."""
+    found = {}
+    for name, sha in heads(tree):
+        out = git(tree, "log", "--format=%h %s", sha, "--not", *known, "--").stdout
+        if out.strip():
+            found[(name, sha)] = out.strip().splitlines()
+    return found
+
+
+def stash_count(tree: Path) -> int:
+    out = git(tree, "stash", "list", check=False).stdout
+    return len([ln for ln in out.splitlines() if ln.strip()])
+
+
+def is_harness_worktree(path: Path) -> bool:
+    """build/.<name>/vllm-X: the worktrees check-series, export and the stock tree make."""
+    try:
+        rel = path.resolve().relative_to(build_dir().resolve())
+    except ValueError:
+        return False
+    return len(rel.parts) == 2 and rel.parts[0].startswith(".")
+
+
+def foreign_worktrees(tree: Path) -> list[Path]:
+    return [p for p in worktree_paths(tree)[1:] if not is_harness_worktree(p)]

@@ -363,6 +363,16 @@ def test_an_interrupted_tree_needs_make_apply_before_refresh(project: Project, t
     expect_finished(project, want)
 
 
+def test_a_tree_left_by_an_interrupted_apply_is_not_work_to_clean(project: Project,
+                                                                  two_patches: str,
+                                                                  stopper: Stopper):
+    stopper.arm("am", "hook", 1)
+    interrupted_apply(project, stopper, "SIGKILL-all")
+    proc = project.run("clean.py", "--version", V1, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert not project.tree(V1).exists()
+
+
 def test_interrupted_before_a_patch_that_does_not_apply_ends_in_the_usual_stop(
         project: Project, two_patches: str, stopper: Stopper):
     """A real conflict keeps `make apply`'s message: the patch, the file, the commands."""
@@ -395,6 +405,7 @@ def test_a_second_apply_of_the_same_tree_refuses_at_once_naming_the_first(
     second = project.run("apply.py", "--version", V1, check=False)
     assert second.returncode == 1
     assert f"another harness command (pid {first.pid}) is working on" in second.stderr
+    assert project.run("clean.py", "--version", V1, check=False).returncode == 1
     os.killpg(first.pid, signal.SIGKILL)
     first.communicate(timeout=WAIT_S)
     expect_finished(project, two_patches)
