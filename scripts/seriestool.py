@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -52,6 +53,22 @@ class SeriesError(Exception):
         return text
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (see stop_on_sigterm). A BaseException, like KeyboardInterrupt, so no
+    `except Exception` swallows it on the way out."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into Terminated: the script then stops its running child (run() sends it
+    SIGTERM, so git removes its lock files) and exits, instead of dying with the child left
+    working in a build tree."""
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main_guard(fn) -> None:
     """Run a script's main(); print SeriesErrors as operator messages and exit 1."""
     try:
@@ -61,6 +78,10 @@ def main_guard(fn) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Terminated:
+        print("error: stopped by SIGTERM before finishing. Run the command again: `make apply` "
+              "finishes what an interrupted one left.", file=sys.stderr)
+        sys.exit(143)
 
 
 def _env_path(name: str, default: Path) -> Path:
@@ -167,17 +188,36 @@ def version_from_args(argv: list[str] | None = None) -> str | None:
 
 
 def run(cmd: list[str], cwd: Path | None = None, env: dict | None = None, check: bool = True,
-        capture: bool = True) -> subprocess.CompletedProcess:
+        capture: bool = True, stdin_text: str | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, text=True,
+    with subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True,
+                          stdin=subprocess.PIPE if stdin_text is not None else None,
                           stdout=subprocess.PIPE if capture else None,
-                          stderr=subprocess.STDOUT if capture else None)
+                          stderr=subprocess.STDOUT if capture else None) as child:
+        try:
+            out, _ = child.communicate(stdin_text)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the child must not outlive us
+            _stop(child)
+            raise
+    proc = subprocess.CompletedProcess(cmd, child.returncode, out, None)
     if check and proc.returncode != 0:
         out = (proc.stdout or "").strip()
         raise SeriesError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{out}")
     return proc
+
+
+def _stop(child: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM first (git removes its lock files on SIGTERM, not on SIGKILL), then SIGKILL."""
+    if child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def git_env(dated: bool = True) -> dict[str, str]:
@@ -278,14 +318,30 @@ def state_path(tree: Path) -> Path:
 
 
 def read_state(tree: Path) -> dict:
+    path = state_path(tree)
     try:
-        return json.loads(state_path(tree).read_text())
+        state = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
+    except (ValueError, OSError) as e:
+        state = e
+    if not isinstance(state, dict):
+        raise SeriesError(
+            f"{path}, where the harness records which commits of the build tree it made, "
+            f"cannot be read: {state}.",
+            f"Recreate the tree: `make clean-tree apply` (clean-tree refuses if the tree holds "
+            f"work of yours; it names it), or delete {path} and run `make apply` again, which "
+            "then counts every commit after the pristine one as yours.",
+        )
+    return state
 
 
 def write_state(tree: Path, state: dict) -> None:
-    state_path(tree).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    """Write the state atomically: an interrupted write leaves the old state, never half."""
+    path = state_path(tree)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def format_patch_args() -> list[str]:
