@@ -69,13 +69,13 @@ def kv_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def ledger_dir(tmp_path, monkeypatch) -> Path:
-    # A ledger of its own (engines of other runs on this host do not meet these).
-    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(tmp_path))
-    from vllm.v1.kv_vmm import ledger
-
-    monkeypatch.setattr(ledger, "LEDGER_DIR", str(tmp_path))
-    _LEDGER_DIR[:] = [tmp_path]
-    return tmp_path
+    # A ledger of its own (engines of other runs on this host do not meet these): the
+    # base directory VLLM_KV_VMM_LEDGER_DIR, read by every engine when it uses it.
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(base))
+    _LEDGER_DIR[:] = [base]
+    return base
 
 
 @pytest.fixture(scope="module")
