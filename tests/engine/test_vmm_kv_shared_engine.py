@@ -4,14 +4,17 @@ Two real vLLM 0.32.0 engines join the host's KV memory ledger: one's burst maps 
 gave back, and killing an engine frees its entry. A busy engine gives back the pages of its peak
 beyond a step's worth after the shrink delay, while a request still runs. Map failures injected
 into the workers (the device out of memory) never take an engine down, and its token ids stay
-those of a run without them.
+those of a run without them. Garbage written into the ledger while an OpenAI server serves fails
+no request and is logged once; an engine started against it refuses with the file and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -69,13 +72,13 @@ def kv_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def ledger_dir(tmp_path, monkeypatch) -> Path:
-    # A ledger of its own (engines of other runs on this host do not meet these).
-    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(tmp_path))
-    from vllm.v1.kv_vmm import ledger
-
-    monkeypatch.setattr(ledger, "LEDGER_DIR", str(tmp_path))
-    _LEDGER_DIR[:] = [tmp_path]
-    return tmp_path
+    # A ledger of its own (engines of other runs on this host do not meet these): the
+    # base directory VLLM_KV_VMM_LEDGER_DIR, read by every engine when it uses it.
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(base))
+    _LEDGER_DIR[:] = [base]
+    return base
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +234,85 @@ def test_busy_engine_gives_back_its_peak(tmp_path, ledger_dir, monkeypatch):
         assert "trickle" not in finished
     finally:
         _shutdown(llm)
+
+
+def _serve(model: Path, log: Path, **engine):
+    from bench_server import Server
+
+    options = {"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True,
+               "max_num_seqs": 8, "kv_cache_vmm_shared": True, **engine}
+    return Server(str(model), "vmm", options, log, dict(os.environ))
+
+
+def test_garbage_in_the_ledger_never_takes_a_serving_engine_down(kv_model, ledger_dir, tmp_path):
+    """The ledger is a file other processes write: a process that died mid-write (before
+    writes were atomic), or a tenant writing garbage. The serving engine keeps answering within
+    the KV memory it has mapped and logs the file once; a new engine refuses to start with the
+    file and the fix; once the file is removed (the fix) the server joins again."""
+    from bench_sharing import stream_completion
+
+    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+    from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
+
+    ledger = KVMemoryLedger("host")
+    log = tmp_path / "server.log"
+    server = _serve(kv_model, log)
+    results: list[dict] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            prompt = [(13 * i + 7 * n + j) % 4000 + 1 for j in range(200)]
+            results.append(stream_completion(server.port, str(kv_model), prompt, 8, 120))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    try:
+        health = server.wait_healthy(600)
+        assert "error" not in health, f"{health}: {log.read_text()[-3000:]}"
+        for c in clients:
+            c.start()
+        _wait(lambda: len(results) >= 4, timeout=120)
+        good = Path(ledger.path).read_bytes()
+        # Half a file, as a writer that died between truncating and writing left it.
+        Path(ledger.path).write_bytes(good[: len(good) // 2])
+        served = len(results)
+        time.sleep(5)  # several ledger reads (every 50 ms, a full one every second)
+        _wait(lambda: len(results) >= served + 4, timeout=120)
+        assert server.proc.poll() is None, log.read_text()[-3000:]
+
+        # A new engine against the garbage ledger refuses to start, naming the file.
+        log_b = tmp_path / "server-b.log"
+        b = _serve(kv_model, log_b)
+        try:
+            assert "error" in b.wait_healthy(600)
+            b.proc.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # its group is gone with it
+                b.stop()
+        assert b.proc.returncode != 0
+        refusal = f"KV memory ledger {ledger.path} is not valid: not JSON"
+        assert refusal in log_b.read_text(), log_b.read_text()[-3000:]
+        assert f"remove it (rm {ledger.path})" in log_b.read_text()
+
+        # The fix the message names: the file goes, the server joins again.
+        os.unlink(ledger.path)
+        _wait(lambda: len(_entries(ledger_dir)) == 1, timeout=60)
+        served = len(results)
+        _wait(lambda: len(results) >= served + 4, timeout=120)
+    finally:
+        stop.set()
+        for c in clients:
+            if c.is_alive():
+                c.join(180)
+        server.stop()
+    failed = [r for r in results if "error" in r]
+    assert not failed and len(results) >= 12, failed[:3]
+    text = log.read_text()
+    named = [line for line in text.splitlines() if f"{ledger.path} is not valid" in line]
+    assert len(named) == 1, named
+    assert f"KV memory ledger {ledger.path} can be used again" in text
+    # Nothing is left behind: the server's entry, its page report and liveness lock go (the
+    # CLI sweeps what the exited engine cores left), and the ledger with its last entry.
+    _wait(lambda: ledger_cli(["list"]) == 0 and os.listdir(ledger.directory) == [], timeout=60)

@@ -9,6 +9,7 @@ is resolved here, not where it is used.
 """
 
 import importlib
+import os
 from fractions import Fraction
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -110,7 +111,8 @@ def parse_size(text: str) -> int:
     """A size as vLLM's own options read it (``--kv-cache-memory-bytes``,
     ``--kv-cache-vmm-*-bytes``): ``4096``, ``512M`` (MiB), ``512m`` (10^6),
     through `human_readable_int` (in `vllm.utils.argparse_utils` since vLLM
-    0.21, in `vllm.engine.arg_utils` before)."""
+    0.21, in `vllm.engine.arg_utils` before). Raises ValueError or
+    argparse.ArgumentTypeError as the option parser does."""
     for name in ("vllm.utils.argparse_utils", "vllm.engine.arg_utils"):
         try:
             module = importlib.import_module(name)
@@ -119,3 +121,17 @@ def parse_size(text: str) -> int:
         if hasattr(module, "human_readable_int"):
             return module.human_readable_int(text)
     raise ImportError("this vLLM has no human_readable_int to read sizes with")
+
+
+def kv_vmm_shm_base() -> str:
+    """``VLLM_KV_VMM_LEDGER_DIR``: where engines sharing a device keep their
+    ledgers and page reports (default ``/dev/shm``), read when used.
+
+    Registered in `vllm.envs` by the release's VMM patch; a release that
+    carries only the new files (0.18.1) reads the variable itself."""
+    import vllm.envs as envs
+
+    try:
+        return envs.VLLM_KV_VMM_LEDGER_DIR
+    except AttributeError:
+        return os.environ.get("VLLM_KV_VMM_LEDGER_DIR", "/dev/shm")

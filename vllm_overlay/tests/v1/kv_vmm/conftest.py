@@ -3,7 +3,10 @@
 """Fixtures of the KV page table tests: the same suite runs on the Linux
 host backend (everywhere) and on the CUDA backend (GPU hosts only)."""
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +36,16 @@ def backend(request: pytest.FixtureRequest) -> Iterator[VmmBackend]:
         b = CudaVmmBackend(torch.device("cuda", 0))
     yield b
     b.close()
+
+
+@pytest.fixture(autouse=True)
+def ledger_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Device ledgers and page reports of these tests go to a directory of
+    their own (never among real engines' files in /dev/shm), sticky and
+    writable by every user like /dev/shm, so tests can act as other users
+    in it."""
+    path = Path(tempfile.mkdtemp(prefix="vllm-kv-test-"))
+    path.chmod(0o1777)
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

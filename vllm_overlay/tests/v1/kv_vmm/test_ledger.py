@@ -1,32 +1,49 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The per-device KV memory ledger: floors, caps, first come first served,
-engines that die, and the CLI that reads and changes it."""
+engines that die, files other users made or may write, garbage in the
+file, and the CLI that reads and changes it."""
 
-import argparse
 import json
-import multiprocessing
 import os
+import shutil
 import signal
+import stat
 import time
+from pathlib import Path
 
 import pytest
 
+import vllm.envs  # noqa: F401  (children as other users import nothing)
+from tests.v1.kv_vmm.utils import (
+    OTHER_UID,
+    SHARED_GID,
+    THIRD_UID,
+    ForkedUser,
+    requires_root,
+    requires_vmm_kv_wiring,
+)
+from vllm.v1.kv_vmm import shm_files
 from vllm.v1.kv_vmm.ledger import (
+    MAX_LEDGER_FILE_BYTES,
     KVMemoryLedger,
+    LedgerError,
     find_entry,
     ledger_path,
     list_ledgers,
 )
+from vllm.v1.kv_vmm.ledger_cli import UsageError, parse_bytes
 from vllm.v1.kv_vmm.ledger_cli import main as cli
-from vllm.v1.kv_vmm.ledger_cli import parse_bytes
+from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
+from vllm.v1.kv_vmm.shm_files import SharedFileError
 
 MiB = 1 << 20
+KEY = "GPU-test"
 
 
 @pytest.fixture
-def ledger(tmp_path) -> KVMemoryLedger:
-    return KVMemoryLedger("GPU-test", directory=str(tmp_path))
+def ledger(ledger_base) -> KVMemoryLedger:
+    return KVMemoryLedger(KEY)
 
 
 def test_floor_cap_and_free_memory(ledger):
@@ -55,120 +72,563 @@ def test_floor_cap_and_free_memory(ledger):
     assert ledger.grow(b, 2 * MiB, unit=2 * MiB, force=True) == 2 * MiB
     with pytest.raises(ValueError):
         ledger.update(b, mapped_bytes=0)
+    # Values the ledger would not read back are refused before writing.
+    with pytest.raises(ValueError, match="floor_bytes is -1"):
+        ledger.update(b, floor_bytes=-1)
+    with pytest.raises(ValueError, match="limit_bytes is 0"):
+        ledger.update(b, limit_bytes=0)
+    with pytest.raises(ValueError, match="capacity_bytes is -5"):
+        ledger.set_capacity(-5)
 
 
-def test_last_engine_removes_the_ledger(ledger, tmp_path):
+def _files(directory: str) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def test_files_are_made_safely_and_the_last_engine_removes_them(ledger):
     a = ledger.join(10 * MiB, "a")
     b = ledger.join(10 * MiB, "b")
-    assert list_ledgers(str(tmp_path)) == ["GPU-test"]
+    assert list_ledgers(ledger.directory) == [KEY]
+    # The engines' directory is this user's alone, and so is every file in it.
+    st = os.lstat(ledger.directory)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert os.path.basename(ledger.directory) == f"vllm-kv-u{os.geteuid()}"
+    for name in _files(ledger.directory):
+        st = os.lstat(os.path.join(ledger.directory, name))
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600, name
+    # A write replaces the file whole (a new file renamed over it): a process
+    # that dies mid-write leaves the old one, never half of one.
+    inode = os.stat(ledger.path).st_ino
+    ledger.grow(a, MiB, unit=MiB)
+    assert os.stat(ledger.path).st_ino != inode
+    assert not [n for n in _files(ledger.directory) if n.endswith(".tmp")]
     ledger.leave(a)
     assert [e.id for e in ledger.read().entries] == [b]
     ledger.leave(b)
+    # The ledger and its lock file go with the last engine; what is left is
+    # this (live) process's liveness lock, removed at its exit.
     assert not os.path.exists(ledger.path)
+    assert not os.path.exists(ledger.lock_path)
+    assert [n for n in _files(ledger.directory) if "ledger" in n] == []
     assert ledger.read() is None
     # The next engine creates it again, with its own capacity.
     ledger.join(5 * MiB, "c")
     assert ledger.read().capacity_bytes == 5 * MiB
 
 
-def _engine(directory: str, joined) -> None:
-    ledger = KVMemoryLedger("GPU-test", directory=directory)
+def _engine() -> str:
+    ledger = KVMemoryLedger(KEY)
     entry = ledger.join(64 * MiB, "child", mapped_bytes=8 * MiB)
     ledger.grow(entry, 16 * MiB, unit=MiB)
-    joined.set()
-    time.sleep(60)
+    return entry
 
 
-def test_a_killed_engine_leaves_the_ledger(ledger, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    joined = ctx.Event()
-    child = ctx.Process(target=_engine, args=(str(tmp_path), joined))
-    child.start()
+def test_a_killed_engine_leaves_the_ledger(ledger):
+    child = ForkedUser(_engine)
     try:
-        assert joined.wait(60)
+        child.result()
         mine = ledger.join(0, "parent")
         state = ledger.read()
         other = find_entry(state, "child")
         assert other.pid == child.pid and other.mapped_bytes == 24 * MiB
         # The child's memory is not free for this engine.
         assert state.room(mine) == 64 * MiB - 24 * MiB
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(30)
+        child.kill()  # SIGKILL: nothing of it runs any more
         state = ledger.read()
         assert [e.name for e in state.entries] == ["parent"]
         assert state.room(mine) == 64 * MiB
+        # Its liveness lock went with its entry.
+        locks = [n for n in _files(ledger.directory) if n.startswith("vllm-kv-proc-")]
+        assert locks == [f"vllm-kv-proc-{state.entries[0].owner}.lock"]
     finally:
         child.kill()
-        child.join(30)
 
 
-def test_reused_pid_is_not_the_engine(ledger):
-    ledger.join(10 * MiB, "a")
-    with open(ledger.path) as f:
+def _rewrite(path: str, edit) -> None:
+    with open(path) as f:
         doc = json.load(f)
-    doc["entries"][0]["start_time"] += 1  # another process with this pid
-    with open(ledger.path, "w") as f:
+    edit(doc)
+    with open(path, "w") as f:
         json.dump(doc, f)
-    # The file went with its last (dead) entry; with a live one it stays.
+
+
+def test_liveness_is_the_engines_lock_not_its_pid(ledger):
+    """Engines in other PID namespaces (containers sharing /dev/shm) have
+    pids that mean nothing here: liveness is the flock each engine holds."""
+    child = ForkedUser(lambda: KVMemoryLedger(KEY).join(10 * MiB, "child"))
+    try:
+        child_id = child.result()
+        mine = ledger.join(10 * MiB, "parent")
+        # Pids that name no process here (beyond any pid_max), or another one.
+        never_a_pid = 1 << 23
+
+        def set_pids(doc) -> None:
+            for e in doc["entries"]:
+                e["pid"] = never_a_pid if e["id"] == child_id else 1
+
+        _rewrite(ledger.path, set_pids)
+        assert {e.id for e in ledger.read().entries} == {child_id, mine}
+        # An entry whose process holds no lock is dropped, whatever its pid.
+        _rewrite(ledger.path, lambda d: d["entries"][1].update(owner="0" * 32))
+        assert [e.id for e in ledger.read().entries] == [child_id]
+    finally:
+        child.kill()
+    # The child is gone: so is its entry, and the file with its last entry.
     assert ledger.read() is None
+    assert not os.path.exists(ledger.path)
+
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+PR_SET_PDEATHSIG = 1
+
+
+def _join_in_a_new_pid_namespace() -> list:
+    """Runs in a forked child: makes a PID namespace (with its own /proc, as
+    a container has) and joins the ledger from its first process (pid 1
+    there), which lives until this child dies. Returns [its pid there, its
+    pid here]."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), what)
+
+    check(libc.unshare(CLONE_NEWPID | CLONE_NEWNS), "unshare")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount /")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            check(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")
+            KVMemoryLedger(KEY).join(10 * MiB, "namespaced")
+            os.write(w, f"{os.getpid()}\n".encode())
+        except BaseException as e:
+            os.write(w, f"{type(e).__name__}: {e}\n".encode())
+        while True:
+            time.sleep(60)
+    answer = os.fdopen(r).readline().strip()
+    if not answer.isdigit():
+        raise OSError(answer)
+    return [int(answer), pid]
+
+
+def test_an_engine_in_another_pid_namespace_is_kept(ledger):
+    """Containers sharing /dev/shm (``--ipc=host``) have PID namespaces of
+    their own: an engine's pid means nothing outside its namespace, and a
+    look into /proc finds another process or none."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a PID namespace")
+    child = ForkedUser(_join_in_a_new_pid_namespace)
+    try:
+        try:
+            inner, outer = child.result()
+        except AssertionError as e:
+            pytest.skip(f"cannot make a PID namespace with its own /proc here: {e}")
+        (entry,) = ledger.read().entries
+        assert inner == 1 and outer != 1  # pid 1 there: the host's init here
+        assert entry.name == "namespaced" and entry.pid == 1
+        time.sleep(0.1)
+        assert [e.name for e in ledger.read().entries] == ["namespaced"]
+    finally:
+        child.kill()  # and with it the namespace's first process
+    deadline = time.monotonic() + 30
+    while ledger.read() is not None:
+        assert time.monotonic() < deadline, ledger.read()
+        time.sleep(0.05)
+
+
+# -- files other users made ---------------------------------------------------
+
+
+def test_a_symlink_at_the_ledger_path_is_refused(ledger, tmp_path):
     ledger.join(10 * MiB, "a")
-    live = ledger.join(10 * MiB, "b")
+    target = tmp_path / "elsewhere.json"
+    shutil.copy(ledger.path, target)
+    os.unlink(ledger.path)
+    os.symlink(target, ledger.path)
+    with pytest.raises(LedgerError, match="is a symbolic link") as e:
+        ledger.read()
+    assert ledger.path in str(e.value) and "remove it" in str(e.value)
+    # ... and one at the engines' directory.
+    os.unlink(ledger.path)
+    moved = tmp_path / "dir"
+    os.rename(ledger.directory, moved)
+    os.symlink(moved, ledger.directory)
+    with pytest.raises(LedgerError, match="is a symbolic link"):
+        KVMemoryLedger(KEY).join(10 * MiB, "b")
+
+
+def test_files_others_may_write_are_refused_as_this_user(ledger):
+    """Without a second user: the same checks see a mode another user could
+    write through."""
+    ledger.join(10 * MiB, "a")
+    os.chmod(ledger.path, 0o666)
+    with pytest.raises(LedgerError, match="mode 0666") as e:
+        ledger.read()
+    assert "another user may have made it" in str(e.value)
+    os.chmod(ledger.path, 0o600)
+    os.chmod(ledger.directory, 0o777)
+    with pytest.raises(LedgerError, match="mode 0777"):
+        ledger.read()
+    os.chmod(ledger.directory, 0o700)
+    assert ledger.read() is not None
+
+
+@requires_root
+def test_a_ledger_another_user_made_is_refused(ledger_base):
+    # Another user, first on the host, makes this user's directory (it may:
+    # the base is sticky and world-writable, like /dev/shm) and a ledger in
+    # it that leaves no room for anybody.
+    def plant(base: str, uid: int) -> str:
+        directory = os.path.join(base, f"vllm-kv-u{uid}")
+        os.mkdir(directory, 0o777)
+        os.chmod(directory, 0o777)
+        doc = {"format": 1, "key": KEY, "capacity_bytes": 0,
+               "capacity_fixed": True, "measured_by": None, "entries": []}  # fmt: skip
+        path = os.path.join(directory, f"vllm-kv-ledger-{KEY}.json")
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        os.chmod(path, 0o666)
+        return directory
+
+    other = ForkedUser(plant, str(ledger_base), os.geteuid(), uid=OTHER_UID,
+                       gid=OTHER_UID, groups=[])  # fmt: skip
+    directory = other.result()
+    other.stop()
+    assert os.stat(directory).st_uid == OTHER_UID
+    with pytest.raises(LedgerError) as e:
+        KVMemoryLedger(KEY).join(10 * MiB, "a")
+    message = str(e.value)
+    assert directory in message and f"uid {OTHER_UID}" in message
+    assert "mode 0777" in message and f"rm -r {directory}" in message
+    # Made with the right mode, but by the other user: refused the same way.
+    os.chmod(directory, 0o700)
+    with pytest.raises(LedgerError, match=f"uid {OTHER_UID}"):
+        KVMemoryLedger(KEY).read()
+    # A file of the other user in this user's own directory is refused too.
+    shutil.rmtree(directory)
+    ledger = KVMemoryLedger(KEY)
+    ledger.join(10 * MiB, "a")
+    os.chown(ledger.path, OTHER_UID, OTHER_UID)
+    with pytest.raises(LedgerError, match=f"uid {OTHER_UID}"):
+        ledger.read()
+
+
+@requires_root
+def test_another_user_cannot_read_or_join_a_users_ledger(ledger):
+    ledger.join(10 * MiB, "a")
+
+    def peek(path: str) -> str:
+        with open(path) as f:
+            return f.read()
+
+    other = ForkedUser(peek, ledger.path, uid=OTHER_UID, gid=OTHER_UID, groups=[])
+    assert "Permission denied" in other.error()
+    other.stop()
+    # Its own engines have a ledger of their own.
+    other = ForkedUser(lambda: KVMemoryLedger(KEY).join(10 * MiB, "b"),
+                       uid=OTHER_UID, gid=OTHER_UID, groups=[])  # fmt: skip
+    try:
+        other.result()
+        assert [e.name for e in ledger.read().entries] == ["a"]
+    finally:
+        other.stop()
+
+
+def _join_group(name: str) -> list:
+    ledger = KVMemoryLedger(KEY, group=str(SHARED_GID))
+    ledger.join(10 * MiB, name, mapped_bytes=MiB)
+    return sorted(e.name for e in ledger.read().entries)
+
+
+@requires_root
+def test_two_users_share_a_ledger_with_a_group():
+    users = []
+    try:
+        for uid, name in ((OTHER_UID, "first"), (THIRD_UID, "second")):
+            users.append(ForkedUser(_join_group, name, uid=uid, gid=uid,
+                                    groups=[SHARED_GID]))  # fmt: skip
+            users[-1].result()
+        ledger = KVMemoryLedger(KEY, group=str(SHARED_GID))
+        assert sorted(e.name for e in ledger.read().entries) == ["first", "second"]
+        st = os.lstat(ledger.directory)
+        assert os.path.basename(ledger.directory) == f"vllm-kv-g{SHARED_GID}"
+        assert st.st_gid == SHARED_GID and stat.S_IMODE(st.st_mode) == 0o2770
+        for name in _files(ledger.directory):
+            st = os.lstat(os.path.join(ledger.directory, name))
+            assert st.st_gid == SHARED_GID and stat.S_IMODE(st.st_mode) == 0o660
+        # A user outside the group may not read it.
+        outsider = ForkedUser(
+            lambda: KVMemoryLedger(KEY, group=str(SHARED_GID)).read(),
+            uid=OTHER_UID, gid=OTHER_UID, groups=[],
+        )  # fmt: skip
+        assert "LedgerError" in outsider.error()
+        outsider.stop()
+        # One of them dies: the other one sees its entry go.
+        users[0].kill()
+        assert [e.name for e in ledger.read().entries] == ["second"]
+    finally:
+        for user in users:
+            user.kill()
+
+
+def test_an_unknown_group_is_a_clear_error():
+    with pytest.raises(ValueError, match="no such group"):
+        KVMemoryLedger(KEY, group="no-such-group-here")
+
+
+# -- page reports ---------------------------------------------------------------
+
+
+def _report_of_a_child() -> str:
+    return create_page_status(4, tag="child").path
+
+
+def test_page_reports_are_the_engines_own_and_swept_by_lock():
+    status = create_page_status(4, tag="t")
+    directory = os.path.dirname(status.path)
+    st = os.lstat(status.path)
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
+    assert directory == KVMemoryLedger(KEY).directory
+    # A child's report, a child killed with its report, and names planted by
+    # somebody else: a token nobody holds, and no token at all.
+    live = ForkedUser(_report_of_a_child)
+    dead = ForkedUser(_report_of_a_child)
+    live_path, dead_path = live.result(), dead.result()
+    dead.kill()
+    planted_dead = os.path.join(directory, f"vllm-kv-pages-{'ab' * 16}-x.bin")
+    planted_odd = os.path.join(directory, "vllm-kv-pages-notatoken-x.bin")
+    for path in (planted_dead, planted_odd):
+        with open(path, "w") as f:
+            f.write("x")
+    try:
+        # The next engine's report sweeps by liveness lock, never by name alone.
+        create_page_status(4, tag="next").close(unlink=True)
+        assert os.path.exists(status.path) and os.path.exists(live_path)
+        assert not os.path.exists(dead_path) and not os.path.exists(planted_dead)
+        assert os.path.exists(planted_odd)  # not ours to judge
+        locks = [n for n in _files(directory) if n.startswith("vllm-kv-proc-")]
+        assert len(locks) == 2  # this process's and the live child's
+    finally:
+        live.kill()
+    # The CLI sweeps too.
+    assert cli(["list"]) == 0
+    assert not os.path.exists(live_path)
+    # A clean exit removes the process's own files.
+    exited = ForkedUser(lambda: [_report_of_a_child(), shm_files._release_at_exit()])
+    path, _ = exited.result()
+    exited.stop()
+    assert not os.path.exists(path)
+    status.close(unlink=True)
+    assert not os.path.exists(status.path)
+
+
+def test_a_page_report_others_could_write_is_refused(tmp_path):
+    status = create_page_status(4, tag="t")
+    status.close()
+    os.chmod(status.path, 0o666)
+    with pytest.raises(SharedFileError, match="mode 0666") as e:
+        KVPageStatus(status.path)
+    assert f"KV page report {status.path}" in str(e.value)
+    os.chmod(status.path, 0o600)
+    target = tmp_path / "report.bin"
+    shutil.copy(status.path, target)
+    os.unlink(status.path)
+    os.symlink(target, status.path)
+    with pytest.raises(SharedFileError, match="is a symbolic link"):
+        KVPageStatus(status.path)
+    os.unlink(status.path)
+    if os.geteuid() == 0:
+        shutil.copy(target, status.path)
+        os.chmod(status.path, 0o600)
+        os.chown(status.path, OTHER_UID, OTHER_UID)
+        with pytest.raises(SharedFileError, match=f"uid {OTHER_UID}"):
+            KVPageStatus(status.path)
+        os.unlink(status.path)
+
+
+# -- garbage ------------------------------------------------------------------
+
+
+def _garbage_cases(doc: dict) -> dict[str, bytes]:
+    def edited(**changes) -> bytes:
+        return json.dumps({**doc, **changes}).encode()
+
+    def entry(**changes) -> bytes:
+        return edited(entries=[{**doc["entries"][0], **changes}])
+
+    text = json.dumps(doc).encode()
+    no_entries = json.dumps({k: v for k, v in doc.items() if k != "entries"}).encode()
+    return {
+        "truncated JSON": text[: len(text) // 2],
+        "empty file": b"",
+        "not UTF-8": b"\xff\xfe" * 10,
+        "a list": b"[1, 2, 3]",
+        "capacity a string": edited(capacity_bytes="lots"),
+        "capacity a bool": edited(capacity_bytes=True),
+        "capacity absurd": edited(capacity_bytes=1 << 70),
+        "capacity negative": edited(capacity_bytes=-7),
+        "entries missing": no_entries,
+        "unknown field": edited(extra=1),
+        "another format": edited(format=2),
+        "another key": edited(key="GPU-other"),
+        "mapped negative": entry(mapped_bytes=-1),
+        "floor a float": entry(floor_bytes=1.5),
+        "limit zero": entry(limit_bytes=0),
+        "owner not a token": entry(owner="../../etc/passwd"),
+        "name a number": entry(name=7),
+        "updated NaN": entry(updated=float("nan")),
+        "pid negative": entry(pid=-3),
+        "entry not an object": edited(entries=[1]),
+        "huge file": b" " * (MAX_LEDGER_FILE_BYTES + 1) + text,
+    }  # fmt: skip
+
+
+def test_garbage_in_any_field_is_one_clear_error(ledger):
+    entry_id = ledger.join(10 * MiB, "a")
     with open(ledger.path) as f:
         doc = json.load(f)
-    doc["entries"][0]["start_time"] += 1
-    with open(ledger.path, "w") as f:
-        json.dump(doc, f)
-    assert [e.id for e in ledger.read().entries] == [live]
+    good = json.dumps(doc).encode()
+    for case, raw in _garbage_cases(doc).items():
+        with open(ledger.path, "wb") as f:
+            f.write(raw)
+        with pytest.raises(LedgerError) as e:
+            ledger.read()
+        message = str(e.value)
+        assert message.startswith(f"KV memory ledger {ledger.path} is not valid: "), (
+            case, message)  # fmt: skip
+        assert message.endswith("the engines sharing the device re-create it"), case
+        assert "\n" not in message and f"rm {ledger.path}" in message, case
+        # A starting engine refuses with the same message; nothing is written.
+        with pytest.raises(LedgerError, match="is not valid"):
+            KVMemoryLedger(KEY).join(10 * MiB, "b")
+        with open(ledger.path, "rb") as f:
+            assert f.read() == raw, case
+    with open(ledger.path, "wb") as f:
+        f.write(good)
+    assert [e.id for e in ledger.read().entries] == [entry_id]
 
 
-def test_cli_lists_and_sets_limits(ledger, tmp_path, capsys):
-    directory = str(tmp_path)
+def test_a_lock_held_too_long_is_an_error_not_a_hang(ledger, monkeypatch):
+    import fcntl
+
+    from vllm.v1.kv_vmm import ledger as ledger_module
+
+    ledger.join(10 * MiB, "a")
+    monkeypatch.setattr(ledger_module, "LEDGER_LOCK_TIMEOUT_S", 0.2)
+    with open(ledger.lock_path) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a process stopped while holding it
+        started = time.monotonic()
+        with pytest.raises(LedgerError, match="was held for more than") as e:
+            ledger.read()
+        assert time.monotonic() - started < 5
+        assert f"rm {ledger.lock_path}" in str(e.value)
+    assert ledger.read() is not None
+
+
+# -- the CLI --------------------------------------------------------------------
+
+
+def test_cli_lists_and_sets_limits(ledger, capsys):
     entry = ledger.join(8 << 30, "engine-a", mapped_bytes=1 << 30)
-    assert cli(["list"], directory) == 0
+    assert cli(["list"]) == 0
     out = capsys.readouterr().out
     assert "GPU-test: capacity 8.00 GiB" in out
     assert entry in out and "engine-a" in out and "1.00 GiB" in out
-    assert (
-        cli(["set", "engine-a", "--key", "GPU-test", "--limit-bytes", "2G"], directory)
-        == 0
-    )
-    assert (
-        cli(
-            ["set", str(os.getpid()), "--key", "GPU-test", "--floor-bytes", "512M"],
-            directory,
-        )
-        == 0
-    )
-    assert cli(["capacity", "6G", "--key", "GPU-test"], directory) == 0
+    # Whose ledger it is, and where.
+    assert f"({ledger.owner.describe()}: {ledger.path})" in out
+    assert cli(["set", "engine-a", "--key", KEY, "--limit-bytes", "2G"]) == 0
+    assert cli(["set", str(os.getpid()), "--key", KEY, "--floor-bytes", "512M"]) == 0
+    assert cli(["capacity", "6G", "--key", KEY]) == 0
     state = ledger.read()
     assert state.capacity_bytes == 6 << 30
     assert state.entry(entry).limit_bytes == 2 << 30
     assert state.entry(entry).floor_bytes == 512 << 20
-    assert cli(["list", "--json"], directory) == 0
+    assert cli(["list", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc[0]["entries"][0]["limit_bytes"] == 2 << 30
-    assert (
-        cli(["set", "nobody", "--key", "GPU-test", "--limit-bytes", "1G"], directory)
-        == 1
-    )
-    assert (
-        cli(["set", entry, "--key", "GPU-nope", "--limit-bytes", "1G"], directory) == 1
-    )
-    assert (
-        cli(["set", entry, "--key", "GPU-test", "--limit-bytes", "none"], directory)
-        == 0
-    )
+    assert doc[0]["path"] == ledger.path and doc[0]["owner"].startswith("user ")
+    assert cli(["set", "nobody", "--key", KEY, "--limit-bytes", "1G"]) == 1
+    assert cli(["set", entry, "--key", "GPU-nope", "--limit-bytes", "1G"]) == 1
+    assert cli(["set", entry, "--key", KEY, "--limit-bytes", "none"]) == 0
     assert ledger.read().entry(entry).limit_bytes is None
 
 
-def test_sizes_and_paths():
-    # The same reading as vLLM's own size options.
-    assert parse_bytes("4096") == 4096
-    assert parse_bytes("512M") == 512 << 20
-    assert parse_bytes("512m") == 512 * 10**6
-    assert parse_bytes("1.5g") == 1_500_000_000
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_bytes("1.5G")  # no decimals with binary suffixes, as vLLM
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_bytes("lots")
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["capacity", "-5"], "capacity '-5' is negative"),
+        (["set", "engine-a", "--floor-bytes", "-1"], "--floor-bytes '-1' is negative"),
+        (["set", "engine-a", "--limit-bytes", "0"], "--limit-bytes '0' is zero"),
+        (["set", "engine-a", "--limit-bytes", "lots"], "is not a size in bytes"),
+        (["capacity", "1GiB"], "capacity '1GiB' is not a size in bytes"),
+        (["capacity", "1.5G"], "Decimals are not allowed"),
+        (["capacity", str(1 << 61)], "larger than"),
+        (["set", "engine-a"], "give --limit-bytes or --floor-bytes"),
+    ],
+)
+def test_cli_refuses_bad_sizes_in_one_line(ledger, capsys, argv, problem):
+    entry = ledger.join(8 << 30, "engine-a", floor_bytes=1 << 30)
+    before = Path(ledger.path).read_bytes()
+    assert cli([*argv, "--key", KEY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and problem in err, err
+    assert err.startswith("python -m vllm.v1.kv_vmm.ledger_cli: error: ")
+    # Nothing changed.
+    assert Path(ledger.path).read_bytes() == before
+    assert ledger.read().entry(entry).floor_bytes == 1 << 30
+
+
+def test_cli_on_a_garbage_ledger_says_so_in_one_line(ledger, capsys):
+    ledger.join(8 << 30, "engine-a")
+    with open(ledger.path, "w") as f:
+        f.write('{"format": 1, "key": "GPU-test", "capacity_bytes": -9')
+    for argv in (["list"], ["capacity", "1G", "--key", KEY],
+                 ["set", "engine-a", "--key", KEY, "--floor-bytes", "1G"]):  # fmt: skip
+        assert cli(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"KV memory ledger {ledger.path} is not valid: not JSON" in err
+        assert f"remove it (rm {ledger.path})" in err
+
+
+@requires_vmm_kv_wiring
+def test_cli_sizes_are_the_engine_flags_own():
+    # Read as --kv-cache-vmm-limit-bytes (and --kv-cache-memory-bytes) read them.
+    import argparse
+
+    from vllm.config import CacheConfig
+    from vllm.engine.arg_utils import get_kwargs
+
+    flag = get_kwargs(CacheConfig)["kv_cache_vmm_limit_bytes"]["type"]
+    for text in ("4096", "512M", "512m", "1G", "1.5g", "2T", "8k"):
+        assert parse_bytes(text) == flag(text), text
+    assert parse_bytes("1G") == 1 << 30 and parse_bytes("1.5g") == 1_500_000_000
+    for text in ("1GiB", "1.5G", "lots"):
+        with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+            flag(text)
+        with pytest.raises(UsageError):
+            parse_bytes(text)
+    # Read as the flag reads them, but no size: the CLI refuses them.
+    with pytest.raises(UsageError, match="negative"):
+        parse_bytes("-1")
+    with pytest.raises(UsageError, match="not a size"):
+        parse_bytes("")
     assert ledger_path("GPU-1/2", "/x") == "/x/vllm-kv-ledger-GPU-1_2.json"
+
+
+def test_the_directory_is_read_when_used_not_at_import(monkeypatch, tmp_path):
+    base = tmp_path / "elsewhere"
+    base.mkdir()
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(base))
+    ledger = KVMemoryLedger(KEY)
+    assert ledger.directory == str(base / f"vllm-kv-u{os.geteuid()}")
+    ledger.join(MiB, "a")
+    assert os.path.exists(ledger.path)
+    assert shm_files.base_dir() == str(base)

@@ -5,13 +5,18 @@ handed out once every rank reported them, a page some rank could not map is
 given up and asked for again after a backoff, and engines sharing a device
 map beyond their floor only what its ledger shows as free."""
 
+import logging
 import os
 import time
 
 import pytest
 
-from vllm.v1.kv_vmm import ledger as ledger_module
-from vllm.v1.kv_vmm.ledger import STAMP_SETTLE_S, KVMemoryLedger, stamp_is_settled
+from vllm.v1.kv_vmm.ledger import (
+    STAMP_SETTLE_S,
+    KVMemoryLedger,
+    LedgerError,
+    stamp_is_settled,
+)
 from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
 from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import (
@@ -32,10 +37,10 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(ledger_module, "LEDGER_DIR", str(tmp_path))
-    return tmp_path
+@pytest.fixture
+def ledger_dir(ledger_base):
+    # The tests' own base directory (VLLM_KV_VMM_LEDGER_DIR, conftest.py).
+    return ledger_base
 
 
 def make_pool(
@@ -296,3 +301,104 @@ def test_a_settled_stamp_is_older_than_a_tick_of_the_file_clock():
     assert not stamp_is_settled(stamp, 50.0 + STAMP_SETTLE_S / 2)
     assert not stamp_is_settled(stamp, 49.0)  # written "after" the clock read
     assert not stamp_is_settled(None, 50.0)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def scheduler_log():
+    records = _Records()
+    logger = logging.getLogger("vllm.v1.kv_vmm.scheduler")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    yield records.messages
+    logger.removeHandler(records)
+    logger.setLevel(level)
+
+
+def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log):
+    """Garbage in the ledger while the pool runs (a process that wrote half
+    a file, or another tenant): the pool keeps serving with what it has
+    mapped, maps no more from the ledger (pages a step needs now excepted),
+    gives pages back, logs once, and goes on once the file is sane again."""
+    options = KVLedgerOptions(
+        devices={"host": PAGE}, capacity_bytes=16 * PAGE, name="a"
+    )
+    a, status = make_pool(num_blocks=64, num_ranks=1, ledger=options)
+    ledger = KVMemoryLedger("host")
+    with open(ledger.path, "rb") as f:
+        good = f.read()
+    held = a.get_new_blocks(a.free_block_queue.num_free_blocks)
+    status.report(a.take_page_ops().ahead, [])
+    a.clock.now += 1
+    assert a.get_num_free_blocks() > a.free_block_queue.num_free_blocks  # room
+    assert not a.take_page_ops()
+    mapped = a.num_mapped_pages
+    assert find(ledger, "a").mapped_bytes == mapped * PAGE
+
+    for garbage in (
+        good[: len(good) // 2],
+        good.replace(b'"mapped_bytes": ', b'"mapped_bytes": -'),
+    ):
+        with open(ledger.path, "wb") as f:
+            f.write(garbage)
+        for _ in range(5):  # steps over several seconds
+            a.clock.now += 0.6
+            # No growth from the ledger: only the mapped free blocks count.
+            assert a.get_num_free_blocks() == a.free_block_queue.num_free_blocks
+            assert a.take_page_ops() is None
+        problems = [m for m in scheduler_log if ledger.path in m]
+        assert len(problems) == 1, scheduler_log
+        assert "is not valid" in problems[0] and f"rm {ledger.path}" in problems[0]
+        assert "keeps serving" in problems[0]
+        # A step that needs pages now still gets them (the driver decides),
+        # and blocks are freed and pages given back as usual.
+        held += a.get_new_blocks(a.free_block_queue.num_free_blocks + BPP)
+        ops = a.take_page_ops()
+        assert ops.map and a.num_mapped_pages == mapped + 1
+        a.free_blocks(held)
+        held = []
+        a.clock.now += 1
+        ops = a.take_page_ops()
+        assert ops.unmap and a.num_mapped_pages < mapped
+        # The file is sane again (repaired, or removed: the engines re-create
+        # it): the pool records what it maps and has room again.
+        if garbage == good[: len(good) // 2]:
+            with open(ledger.path, "wb") as f:
+                f.write(good)
+        else:
+            os.unlink(ledger.path)
+        a.clock.now += 1
+        assert a.get_num_free_blocks() > a.free_block_queue.num_free_blocks
+        assert find(ledger, "a").mapped_bytes == a.num_mapped_pages * PAGE
+        assert any("can be used again" in m for m in scheduler_log)
+        scheduler_log.clear()
+        held = a.get_new_blocks(a.free_block_queue.num_free_blocks)
+        status.report(a.take_page_ops().ahead, [])
+        a.get_num_free_blocks()  # takes the reported pages in
+        mapped = a.num_mapped_pages
+    a.free_blocks(held)
+    a.close()
+    assert ledger.read() is None
+
+
+def test_a_starting_pool_refuses_a_garbage_ledger():
+    options = KVLedgerOptions(devices={"host": PAGE}, capacity_bytes=8 * PAGE, name="a")
+    a, _ = make_pool(num_ranks=1, ledger=options)
+    ledger = KVMemoryLedger("host")
+    with open(ledger.path, "w") as f:
+        f.write('{"format": 1, "key": "host", "capacity_bytes": "lots"')
+    with pytest.raises(LedgerError) as e:
+        make_pool(num_ranks=1, ledger=KVLedgerOptions(**{**vars(options), "name": "b"}))
+    assert str(e.value).startswith(f"KV memory ledger {ledger.path} is not valid: ")
+    assert f"remove it (rm {ledger.path})" in str(e.value)
+    os.unlink(ledger.path)
+    a.close()

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.v1.kv_vmm import ledger as ledger_module
-from vllm.v1.kv_vmm.ledger import KVMemoryLedger, ledger_path
+from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.ledger_cli import main as cli
 from vllm.v1.kv_vmm.worker import (
     measure_shared_kv_capacity,
@@ -29,16 +28,17 @@ def _cache_config(**kw):
         kv_cache_memory_backend="vmm",
         kv_cache_vmm_shared=True,
         kv_cache_vmm_shared_bytes=None,
+        kv_cache_vmm_shared_group=None,
         gpu_memory_utilization=0.9,
     )
     return SimpleNamespace(**(fields | kw))
 
 
 @pytest.fixture
-def device_ledger(tmp_path, monkeypatch) -> KVMemoryLedger:
+def device_ledger(monkeypatch) -> KVMemoryLedger:
+    # In the tests' own directory (VLLM_KV_VMM_LEDGER_DIR, conftest.py).
     from vllm.platforms import current_platform
 
-    monkeypatch.setattr(ledger_module, "LEDGER_DIR", str(tmp_path))
     monkeypatch.setattr(
         current_platform, "get_device_uuid", lambda index: KEY, raising=False
     )
@@ -105,14 +105,13 @@ def test_explicit_capacity_is_kept(device_ledger):
     assert _measure(config, init_free=60 * GiB, non_kv=17 * GiB) is None
 
 
-def _measure_and_exit(directory: str) -> None:
-    ledger_module.LEDGER_DIR = directory
+def _measure_and_exit() -> None:
     KVMemoryLedger(KEY).measure_capacity(5 * GiB)
     os._exit(0)
 
 
-def test_measured_ledger_lives_while_its_engine_starts(device_ledger, tmp_path):
-    path = ledger_path(KEY, str(tmp_path))
+def test_measured_ledger_lives_while_its_engine_starts(device_ledger):
+    path = device_ledger.path
     # Measured by this process, nobody joined yet: the ledger stays.
     device_ledger.measure_capacity(5 * GiB)
     assert device_ledger.read() is None  # no engine in it yet
@@ -122,9 +121,7 @@ def test_measured_ledger_lives_while_its_engine_starts(device_ledger, tmp_path):
     os.unlink(path)
     # Measured by a process that died before its engine joined: the next
     # reader removes it.
-    proc = multiprocessing.get_context("fork").Process(
-        target=_measure_and_exit, args=(str(tmp_path),)
-    )
+    proc = multiprocessing.get_context("fork").Process(target=_measure_and_exit)
     proc.start()
     proc.join(30)
     assert proc.exitcode == 0 and os.path.exists(path)

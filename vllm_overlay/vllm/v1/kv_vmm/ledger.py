@@ -3,10 +3,15 @@
 """A per-device ledger of the KV memory that engines sharing a device map.
 
 Several engines with VMM-backed KV memory on one device see each other
-through one small file in shared memory (``/dev/shm``), created on demand
-and named after the device (its UUID on CUDA, ``host`` for the host
-backend). Every engine has one entry: the KV bytes it maps now, its floor
-and its limit. All reads and writes hold an exclusive ``flock`` on the file.
+through one small JSON file in shared memory, named after the device (its
+UUID on CUDA, ``host`` for the host backend), in the engines' directory
+(:mod:`vllm.v1.kv_vmm.shm_files`: ``/dev/shm/vllm-kv-u<uid>/``, or
+``vllm-kv-g<gid>/`` for engines of several users with
+``--kv-cache-vmm-shared-group``). Every engine has one entry: the KV bytes
+it maps now, its floor and its limit. Reads and writes hold an exclusive
+``flock`` on a lock file next to it; a write replaces the file whole (a new
+file renamed over it), so a process that dies mid-write leaves the old
+file, never half of one.
 
 Policy (first come, first served, with floors and caps):
 
@@ -23,17 +28,24 @@ Policy (first come, first served, with floors and caps):
   ``capacity`` minus every other engine's ``max(mapped, floor)`` minus its
   own mapped bytes, and never more than its limit. An idle engine keeps its
   floor mapped: giving it back would free nothing for the others.
-* Entries of engines whose process is gone (pid not alive, or alive with
-  another start time: a reused pid) are dropped by whoever opens the ledger
-  next; the file is removed when its last entry leaves.
+* Each entry names its process's liveness token (an ``flock`` the process
+  holds while it lives, :func:`~vllm.v1.kv_vmm.shm_files.token_alive`);
+  entries of processes that died are dropped by whoever opens the ledger
+  next, and the file (with its lock file) is removed when its last entry
+  leaves. The pid is kept for people to read, never to decide liveness.
+* A file that is not a valid ledger (garbage, a field of the wrong type or
+  out of range) raises :class:`LedgerError`, naming the file, the problem
+  and the fix: a starting engine refuses to start, a running engine keeps
+  serving with what it has mapped (see ``PagedBlockPool``).
 
-Only the standard library is used; the file is a JSON document, small
-enough (one entry per engine on the device) to be rewritten on each change.
+Only the standard library is used; the file is small enough (one entry per
+engine on the device) to be rewritten on each change.
 """
 
 import contextlib
 import fcntl
 import json
+import math
 import os
 import time
 import uuid
@@ -41,56 +53,53 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-#: Where ledgers live: shared memory, visible to every process of the host
-#: (another directory, e.g. for tests that must not meet other engines:
-#: ``VLLM_KV_VMM_LEDGER_DIR``).
-LEDGER_DIR = os.environ.get("VLLM_KV_VMM_LEDGER_DIR", "/dev/shm")
+from vllm.v1.kv_vmm import shm_files
+from vllm.v1.kv_vmm.shm_files import FileOwner, SharedFileError
+
 _PREFIX = "vllm-kv-ledger-"
+_SUFFIX = ".json"
+_LOCK_SUFFIX = ".lock"
+#: The ledger's format; another number is refused (an engine of another
+#: version of this code on the same device).
+LEDGER_FORMAT = 1
+#: Limits of a valid ledger: larger sizes, files or engine counts are
+#: garbage, not a device.
+MAX_LEDGER_BYTES = 1 << 60
+MAX_LEDGER_FILE_BYTES = 1 << 20
+MAX_LEDGER_ENTRIES = 1024
+MAX_NAME_CHARS = 256
+#: A lock held longer than this is a fault (a process stopped while it held
+#: it), reported as such instead of waiting forever.
+LEDGER_LOCK_TIMEOUT_S = 5.0
 
 
-def ledger_path(key: str, directory: str | None = None) -> str:
-    """The ledger file of device ``key`` (a UUID or ``host``)."""
-    safe = "".join(
+class LedgerError(SharedFileError):
+    """A ledger that cannot be used: unsafe, unreadable or not valid."""
+
+
+def _safe_key(key: str) -> str:
+    return "".join(
         c if c.isascii() and (c.isalnum() or c in "_.-") else "_" for c in key
     )
-    return os.path.join(directory or LEDGER_DIR, f"{_PREFIX}{safe}.json")
 
 
-def list_ledgers(directory: str | None = None) -> list[str]:
-    """Keys of the ledgers present on this host."""
-    directory = directory or LEDGER_DIR
+def ledger_path(key: str, directory: str) -> str:
+    """The ledger file of device ``key`` (a UUID or ``host``) in the
+    engines' ``directory`` (see :func:`shm_files.shared_dir`)."""
+    return os.path.join(directory, f"{_PREFIX}{_safe_key(key)}{_SUFFIX}")
+
+
+def list_ledgers(directory: str) -> list[str]:
+    """Keys of the ledgers in the engines' ``directory``."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
     return sorted(
-        n[len(_PREFIX) : -len(".json")]
+        n[len(_PREFIX) : -len(_SUFFIX)]
         for n in names
-        if n.startswith(_PREFIX) and n.endswith(".json")
+        if n.startswith(_PREFIX) and n.endswith(_SUFFIX)
     )
-
-
-def process_start_time(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot), None if it is gone.
-
-    Together with the pid it names one process: a pid reused by another
-    process has another start time.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may hold spaces and parentheses.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
-
-
-def process_alive(pid: int, start_time: int | None) -> bool:
-    """Whether ``pid`` runs and is the process that started at ``start_time``
-    (None: any), so a reused pid does not count."""
-    current = process_start_time(pid)
-    return current is not None and (start_time is None or current == start_time)
 
 
 @dataclass
@@ -99,7 +108,9 @@ class LedgerEntry:
 
     id: str
     pid: int
-    start_time: int | None
+    """For people to read: the engine core's pid in its own PID namespace."""
+    owner: str
+    """Liveness token of the engine's process (the entry lives while it)."""
     name: str
     mapped_bytes: int = 0
     floor_bytes: int = 0
@@ -121,9 +132,9 @@ class LedgerState:
     capacity_fixed: bool = False
     """The capacity was given explicitly (option or CLI): measurements of
     starting engines do not change it."""
-    measured_by: list[Any] | None = None
-    """``[pid, start time]`` of the process that measured the capacity last:
-    the ledger stays while that process lives, before its engine joins."""
+    measured_by: str | None = None
+    """Liveness token of the process that measured the capacity last: the
+    ledger stays while that process lives, before its engine joins."""
 
     @property
     def held_bytes(self) -> int:
@@ -151,6 +162,7 @@ class LedgerState:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "format": LEDGER_FORMAT,
             "key": self.key,
             "capacity_bytes": self.capacity_bytes,
             "capacity_fixed": self.capacity_fixed,
@@ -159,60 +171,276 @@ class LedgerState:
         }
 
 
+# -- validation ---------------------------------------------------------------
+
+
+class _Invalid(ValueError):
+    pass
+
+
+def _check_type(where: str, value: Any, kinds: tuple[type, ...]) -> None:
+    # bool is an int to Python, not to the ledger.
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise _Invalid(f"{where} is {json.dumps(value)[:40]}, not {names}")
+
+
+def _check_bytes(where: str, value: Any, low: int) -> None:
+    _check_type(where, value, (int,))
+    if not low <= value <= MAX_LEDGER_BYTES:
+        raise _Invalid(f"{where} is {value}, not in [{low}, {MAX_LEDGER_BYTES}]")
+
+
+def _check_keys(where: str, doc: Any, keys: set[str]) -> None:
+    _check_type(where, doc, (dict,))
+    missing, unknown = keys - doc.keys(), doc.keys() - keys
+    if missing:
+        raise _Invalid(f"{where} has no {', '.join(sorted(missing))}")
+    if unknown:
+        raise _Invalid(f"{where} has unknown fields {', '.join(sorted(unknown))}")
+
+
+def _check_id(where: str, value: Any, length: int) -> None:
+    _check_type(where, value, (str,))
+    if len(value) != length or not all(c in "0123456789abcdef" for c in value):
+        raise _Invalid(f"{where} is {value[:40]!r}, not {length} hex digits")
+
+
+_ENTRY_ID_LEN = 12
+_ENTRY_FIELDS = {f for f in LedgerEntry.__dataclass_fields__}
+_STATE_FIELDS = {
+    "format",
+    "key",
+    "capacity_bytes",
+    "capacity_fixed",
+    "measured_by",
+    "entries",
+}
+
+
+def _parse_entry(i: int, doc: Any) -> LedgerEntry:
+    where = f"entries[{i}]"
+    _check_keys(where, doc, _ENTRY_FIELDS)
+    _check_id(f"{where}.id", doc["id"], _ENTRY_ID_LEN)
+    _check_type(f"{where}.pid", doc["pid"], (int,))
+    if not 0 <= doc["pid"] < 1 << 32:
+        raise _Invalid(f"{where}.pid is {doc['pid']}, not a pid")
+    _check_id(f"{where}.owner", doc["owner"], 32)
+    _check_type(f"{where}.name", doc["name"], (str,))
+    if len(doc["name"]) > MAX_NAME_CHARS:
+        raise _Invalid(f"{where}.name is longer than {MAX_NAME_CHARS} characters")
+    _check_bytes(f"{where}.mapped_bytes", doc["mapped_bytes"], 0)
+    _check_bytes(f"{where}.floor_bytes", doc["floor_bytes"], 0)
+    if doc["limit_bytes"] is not None:
+        _check_bytes(f"{where}.limit_bytes", doc["limit_bytes"], 1)
+    _check_type(f"{where}.updated", doc["updated"], (int, float))
+    if not math.isfinite(doc["updated"]) or doc["updated"] < 0:
+        raise _Invalid(f"{where}.updated is {doc['updated']}, not a time")
+    return LedgerEntry(**doc)
+
+
+def parse_ledger(raw: bytes, key: str) -> LedgerState:
+    """A ledger file's content as a :class:`LedgerState`; raises ValueError
+    naming the first field that is not valid."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _Invalid(f"not JSON ({e})") from None
+    except RecursionError:
+        raise _Invalid("not JSON (nested too deep)") from None
+    _check_keys("the ledger", doc, _STATE_FIELDS)
+    if doc["format"] != LEDGER_FORMAT or isinstance(doc["format"], bool):
+        raise _Invalid(
+            f"format is {json.dumps(doc['format'])[:40]}, not {LEDGER_FORMAT} "
+            "(written by another version of vLLM's KV memory ledger)"
+        )
+    if doc["key"] != key:
+        raise _Invalid(f"key is {json.dumps(doc['key'])[:40]}, not {key!r}")
+    _check_bytes("capacity_bytes", doc["capacity_bytes"], -1)
+    _check_type("capacity_fixed", doc["capacity_fixed"], (bool,))
+    if doc["measured_by"] is not None:
+        _check_id("measured_by", doc["measured_by"], 32)
+    _check_type("entries", doc["entries"], (list,))
+    if len(doc["entries"]) > MAX_LEDGER_ENTRIES:
+        raise _Invalid(f"entries has more than {MAX_LEDGER_ENTRIES} engines")
+    entries = [_parse_entry(i, e) for i, e in enumerate(doc["entries"])]
+    if len({e.id for e in entries}) != len(entries):
+        raise _Invalid("entries has two engines with one id")
+    return LedgerState(
+        key=key,
+        capacity_bytes=doc["capacity_bytes"],
+        entries=entries,
+        capacity_fixed=doc["capacity_fixed"],
+        measured_by=doc["measured_by"],
+    )
+
+
+def check_entry_fields(fields: dict[str, Any]) -> None:
+    """Refuse values of ``floor_bytes``, ``limit_bytes`` or ``name`` that
+    the ledger would not read back (ValueError naming the field)."""
+    for name, value in fields.items():
+        if name == "floor_bytes":
+            _check_bytes(name, value, 0)
+        elif name == "limit_bytes":
+            if value is not None:
+                _check_bytes(name, value, 1)
+        elif name == "name":
+            _check_type(name, value, (str,))
+            if len(value) > MAX_NAME_CHARS:
+                raise _Invalid(f"name is longer than {MAX_NAME_CHARS} characters")
+        else:
+            raise ValueError(f"cannot set {name!r} of a ledger entry")
+
+
+# -- the ledger -----------------------------------------------------------------
+
+
 class KVMemoryLedger:
     """The ledger of one device, as one process sees it.
 
     Args:
         key: the device (its UUID, or ``host`` for the host backend).
-        directory: where the file lives (default :data:`LEDGER_DIR`).
+        directory: the base directory (default ``VLLM_KV_VMM_LEDGER_DIR``,
+            read now, else ``/dev/shm``); the ledger lives in the engines'
+            directory in it.
+        group: ``--kv-cache-vmm-shared-group`` (a name or a gid): the ledger
+            of the engines of that group's users; None: this user's.
+        uid: the user whose ledger this is (default: this process's; root
+            may manage another user's).
 
     """
 
-    def __init__(self, key: str, directory: str | None = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        directory: str | None = None,
+        group: str | None = None,
+        uid: int | None = None,
+    ) -> None:
         self.key = key
-        self.path = ledger_path(key, directory)
+        self.owner: FileOwner = shm_files.file_owner(group, uid)
+        self.base = shm_files.base_dir(directory)
+        self.directory = shm_files.dir_path(self.owner, self.base)
+        self.path = ledger_path(key, self.directory)
+        self.lock_path = self.path[: -len(_SUFFIX)] + _LOCK_SUFFIX
 
-    @contextlib.contextmanager
-    def _locked(self, create: bool) -> Iterator[LedgerState | None]:
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    def _error(self, problem: str) -> LedgerError:
+        return LedgerError(
+            f"KV memory ledger {self.path} is not valid: {problem}; remove it "
+            f"(rm {self.path}): the engines sharing the device re-create it"
+        )
+
+    def _directory(self, create: bool) -> bool:
+        """Check the engines' directory (made if missing with ``create``);
+        False if it is missing."""
+        try:
+            shm_files.shared_dir(self.owner, self.base, create=create)
+        except FileNotFoundError:
+            return False
+        except SharedFileError as e:
+            raise LedgerError(str(e)) from None
+        except OSError as e:
+            raise self._os_error(e) from None
+        return True
+
+    def _lock(self, create: bool) -> int | None:
+        """An fd holding the ledger's lock; None if there is no ledger (and
+        not ``create``)."""
+        if not self._directory(create):
+            return None
+        deadline = time.monotonic() + LEDGER_LOCK_TIMEOUT_S
         while True:
+            if not create:
+                try:
+                    os.lstat(self.path)
+                except FileNotFoundError:
+                    return None
             try:
-                fd = os.open(self.path, flags, 0o666)
-            except FileNotFoundError:
-                yield None
-                return
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            # The last engine may have removed the file while this process
-            # waited for the lock: open the current one then.
+                fd = shm_files.open_or_create(self.lock_path, self.owner)
+            except SharedFileError as e:
+                raise LedgerError(str(e)) from None
+            if not self._flock(fd, deadline):
+                os.close(fd)
+                raise LedgerError(
+                    f"KV memory ledger {self.path}: its lock {self.lock_path} "
+                    f"was held for more than {LEDGER_LOCK_TIMEOUT_S:g} s (a "
+                    "process stopped while it held it?); stop that process or "
+                    f"remove the lock file (rm {self.lock_path})"
+                )
+            # The last engine may have removed the lock file while this
+            # process waited for it: lock the current one then.
             try:
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    break
+                if os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino:
+                    return fd
             except FileNotFoundError:
                 pass
             os.close(fd)
+
+    @staticmethod
+    def _flock(fd: int, deadline: float) -> bool:
+        delay = 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+
+    def _load(self) -> LedgerState | None:
         try:
-            raw = b""
-            while chunk := os.read(fd, 1 << 16):
-                raw += chunk
-            if raw:
-                doc = json.loads(raw)
-                state = LedgerState(
-                    key=doc["key"],
-                    capacity_bytes=doc["capacity_bytes"],
-                    entries=[LedgerEntry(**e) for e in doc["entries"]],
-                    capacity_fixed=doc.get("capacity_fixed", False),
-                    measured_by=doc.get("measured_by"),
-                )
-            elif create:
+            raw = shm_files.read_file(self.path, self.owner, MAX_LEDGER_FILE_BYTES)
+        except SharedFileError as e:
+            raise LedgerError(str(e)) from None
+        if raw is None:
+            return None
+        try:
+            return parse_ledger(raw, self.key)
+        except ValueError as e:
+            raise self._error(str(e)) from None
+
+    def _alive(self, token: str | None) -> bool:
+        if token is None:
+            return False
+        try:
+            return shm_files.token_alive(self.directory, token)
+        except PermissionError:
+            return True  # cannot tell: keep it
+
+    def _os_error(self, error: OSError) -> LedgerError:
+        return LedgerError(
+            f"KV memory ledger {self.path}: {error.strerror or error} "
+            f"({error.filename or self.directory}); give this user access to "
+            f"{self.directory} or remove it (rm -r {self.directory}): the "
+            "engines re-create it"
+        )
+
+    @contextlib.contextmanager
+    def _locked(self, create: bool) -> Iterator[LedgerState | None]:
+        try:
+            fd = self._lock(create)
+        except OSError as e:
+            raise self._os_error(e) from None
+        if fd is None:
+            yield None
+            return
+        try:
+            try:
+                state = self._load()
+            except OSError as e:
+                raise self._os_error(e) from None
+            if state is None:
+                if not create:
+                    yield None
+                    return
                 state = LedgerState(key=self.key, capacity_bytes=-1, entries=[])
+                before = None
             else:
-                yield None
-                return
-            before = json.dumps(state.to_json(), sort_keys=True)
-            state.entries = [
-                e for e in state.entries if process_alive(e.pid, e.start_time)
-            ]
-            if state.measured_by is not None and not process_alive(*state.measured_by):
+                before = json.dumps(state.to_json(), sort_keys=True)
+            state.entries = [e for e in state.entries if self._alive(e.owner)]
+            if not self._alive(state.measured_by):
                 state.measured_by = None
             yield state
             if (
@@ -221,16 +449,18 @@ class KVMemoryLedger:
                 and state.measured_by is None
             ):
                 # The last engine left or died (and no engine is starting):
-                # the ledger goes with it.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
+                # the ledger goes with it, and its lock file (whoever waits
+                # for it finds it removed and takes the current one).
+                for path in (self.path, self.lock_path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
                 return
             after = json.dumps(state.to_json(), sort_keys=True)
             if after != before:
-                data = after.encode()
-                os.lseek(fd, 0, os.SEEK_SET)
-                os.ftruncate(fd, 0)
-                os.write(fd, data)
+                try:
+                    shm_files.replace_file(self.path, after.encode(), self.owner)
+                except OSError as e:
+                    raise self._os_error(e) from None
         finally:
             os.close(fd)
 
@@ -250,6 +480,13 @@ class KVMemoryLedger:
             result = state
         return result if result is not None and result.entries else None
 
+    def _token(self) -> str:
+        self._directory(create=True)
+        try:
+            return shm_files.process_token(self.directory, self.owner)
+        except OSError as e:
+            raise self._os_error(e) from None
+
     def join(
         self,
         capacity_bytes: int,
@@ -265,11 +502,15 @@ class KVMemoryLedger:
         first engine, when no starting engine measured one), or with
         ``fixed`` (an explicit size) unless an explicit size is set already.
         """
-        pid = os.getpid()
+        check_entry_fields(
+            {"floor_bytes": floor_bytes, "limit_bytes": limit_bytes, "name": name}
+        )
+        _check_bytes("capacity_bytes", capacity_bytes, 0)
+        _check_bytes("mapped_bytes", mapped_bytes, 0)
         entry = LedgerEntry(
-            id=uuid.uuid4().hex[:12],
-            pid=pid,
-            start_time=process_start_time(pid),
+            id=uuid.uuid4().hex[:_ENTRY_ID_LEN],
+            pid=os.getpid(),
+            owner=self._token(),
             name=name,
             mapped_bytes=mapped_bytes,
             floor_bytes=floor_bytes,
@@ -303,7 +544,7 @@ class KVMemoryLedger:
             if not force:
                 assert state is not None
                 nbytes = min(nbytes, state.room(entry_id) // unit * unit)
-            entry.mapped_bytes += nbytes
+            entry.mapped_bytes = min(entry.mapped_bytes + nbytes, MAX_LEDGER_BYTES)
             entry.updated = time.time()
             return nbytes
 
@@ -315,26 +556,36 @@ class KVMemoryLedger:
                 entry.mapped_bytes = max(entry.mapped_bytes - nbytes, 0)
                 entry.updated = time.time()
 
+    def set_mapped(self, entry_id: str, nbytes: int) -> bool:
+        """Record what ``entry_id`` maps now (after a time the ledger could
+        not be read); False if there is no such entry."""
+        _check_bytes("mapped_bytes", nbytes, 0)
+        with self._locked(create=False) as state:
+            entry = state.entry(entry_id) if state is not None else None
+            if entry is None:
+                return False
+            entry.mapped_bytes = nbytes
+            entry.updated = time.time()
+            return True
+
     def update(self, entry_id: str, **fields: Any) -> LedgerEntry | None:
         """Set fields of one entry (``floor_bytes``, ``limit_bytes``,
         ``name``); returns the entry, None if there is no such entry."""
+        check_entry_fields(fields)
         with self._locked(create=False) as state:
             entry = state.entry(entry_id) if state is not None else None
             if entry is None:
                 return None
             for name, value in fields.items():
-                if name not in ("floor_bytes", "limit_bytes", "name"):
-                    raise ValueError(f"cannot set {name!r} of a ledger entry")
                 setattr(entry, name, value)
             return entry
 
     def set_capacity(self, capacity_bytes: int) -> None:
         """An explicit capacity (the CLI): kept over later measurements."""
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity must not be negative: {capacity_bytes}")
+        _check_bytes("capacity_bytes", capacity_bytes, 0)
         with self._locked(create=False) as state:
             if state is None:
-                raise FileNotFoundError(f"no KV memory ledger for {self.key}")
+                raise FileNotFoundError(f"no KV memory ledger at {self.path}")
             state.capacity_bytes = capacity_bytes
             state.capacity_fixed = True
 
@@ -347,12 +598,13 @@ class KVMemoryLedger:
         """Record the device's shared KV capacity as a starting engine
         measured it (before its engine joins); returns the capacity in
         force, which an explicit size keeps."""
-        pid = os.getpid()
+        capacity_bytes = min(max(capacity_bytes, 0), MAX_LEDGER_BYTES)
+        token = self._token()
         with self._locked(create=True) as state:
             assert state is not None
             if not state.capacity_fixed:
-                state.capacity_bytes = max(capacity_bytes, 0)
-            state.measured_by = [pid, process_start_time(pid)]
+                state.capacity_bytes = capacity_bytes
+            state.measured_by = token
             result = state.capacity_bytes
         return result
 

@@ -10,6 +10,13 @@ the scheduler reads the counts when it allocates. A page some rank could
 not map is unmapped again on every rank, so the ranks never disagree on a
 page the scheduler hands out. No socket and no thread: writes hold an
 ``flock``, reads are plain loads of two counters.
+
+The file is the engine's own: created exclusively, owner-only (mode 0600),
+in the engines' directory next to the device ledgers
+(:mod:`vllm.v1.kv_vmm.shm_files`), and checked when a rank opens it. Its
+name carries the liveness token of the engine core's process: files of
+processes that died are removed by the next engine that starts (and by
+the ledger CLI), files of a process that exits cleanly at its exit.
 """
 
 import contextlib
@@ -17,12 +24,14 @@ import fcntl
 import mmap
 import os
 import struct
+import uuid
 from collections.abc import Iterable
 
-from vllm.v1.kv_vmm import ledger
-from vllm.v1.kv_vmm.ledger import process_alive, process_start_time
+from vllm.v1.kv_vmm import shm_files
+from vllm.v1.kv_vmm.shm_files import FileOwner, SharedFileError
 
 _PREFIX = "vllm-kv-pages-"
+_SUFFIX = ".bin"
 _SLOT = struct.Struct("<HH")  # ranks that mapped the page, ranks that failed
 
 
@@ -36,8 +45,17 @@ class KVPageStatus:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR)
+        self._fd = shm_files.open_file(
+            path, FileOwner(os.geteuid()), what="KV page report"
+        )
         size = os.fstat(self._fd).st_size
+        if size == 0 or size % _SLOT.size:
+            os.close(self._fd)
+            raise SharedFileError(
+                f"KV page report {path} is not valid: {size} bytes, not a "
+                f"multiple of {_SLOT.size}; remove it (rm {path}) and start "
+                "the engine again"
+            )
         self.num_pages = size // _SLOT.size
         self._map = mmap.mmap(self._fd, size)
 
@@ -72,38 +90,59 @@ class KVPageStatus:
         self._map.close()
         os.close(self._fd)
         if unlink:
+            shm_files.disown_file(self.path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
 
-def _sweep(directory: str) -> None:
-    # Files of engine cores that died (pid gone or reused).
+def sweep_page_status(directory: str) -> None:
+    """Remove the report files (and liveness lock files) of engine cores
+    that died: those whose liveness token's lock can be taken. Names that
+    are not of this form are left alone."""
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(directory):
-            if not name.startswith(_PREFIX):
+            if not (name.startswith(_PREFIX) and name.endswith(_SUFFIX)):
+                continue
+            token = name[len(_PREFIX) :].split("-", 1)[0]
+            if not shm_files.is_token(token):
                 continue
             try:
-                pid, start = (int(x) for x in name[len(_PREFIX) :].split("-")[:2])
-            except ValueError:
+                alive = shm_files.token_alive(directory, token)
+            except PermissionError:
                 continue
-            if not process_alive(pid, start):
-                with contextlib.suppress(FileNotFoundError):
+            if not alive:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     os.unlink(os.path.join(directory, name))
+    shm_files.sweep_tokens(directory)
 
 
 def create_page_status(
-    num_pages: int, tag: str, directory: str | None = None
+    num_pages: int,
+    tag: str,
+    directory: str | None = None,
+    group: str | None = None,
 ) -> KVPageStatus:
-    """A new, zeroed report file for an engine of ``num_pages`` pages."""
-    directory = directory or ledger.LEDGER_DIR
-    _sweep(directory)
-    pid = os.getpid()
-    path = os.path.join(
-        directory, f"{_PREFIX}{pid}-{process_start_time(pid)}-{tag}.bin"
-    )
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    """A new, zeroed report file for an engine of ``num_pages`` pages, in
+    the engines' directory under ``directory`` (default
+    ``VLLM_KV_VMM_LEDGER_DIR``, else ``/dev/shm``; that of
+    ``--kv-cache-vmm-shared-group`` ``group`` if given)."""
+    owner = shm_files.file_owner(group)
+    path_dir = shm_files.shared_dir(owner, directory)
+    sweep_page_status(path_dir)
+    token = shm_files.process_token(path_dir, owner)
+    safe_tag = "".join(c if c.isascii() and c.isalnum() else "_" for c in tag)
+    # Unique within the process too (engines made one after another in it).
+    unique = f"{safe_tag}-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(path_dir, f"{_PREFIX}{token}-{unique}{_SUFFIX}")
+    # The engine's own file (its ranks run as its user), even in a group's
+    # directory.
+    fd = shm_files.create_file(path, FileOwner(owner.uid))
     try:
         os.ftruncate(fd, num_pages * _SLOT.size)
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    shm_files.own_file(path)
     return KVPageStatus(path)

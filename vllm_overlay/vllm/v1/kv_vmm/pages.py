@@ -105,6 +105,9 @@ class KVLedgerOptions:
     limit_bytes: int | None = None
     """Most memory this engine maps on each device; None: its page limit."""
     name: str = ""
+    group: str | None = None
+    """``--kv-cache-vmm-shared-group``: the ledgers of the engines of this
+    group's users; None: this user's own."""
 
 
 @dataclass
@@ -425,12 +428,14 @@ def make_kv_page_policy(
 
 
 def kv_ledger_options(
-    options: Any, rank_page_bytes: Sequence[int], device_keys: Sequence[str] | None
+    options: "CacheConfig",
+    rank_page_bytes: Sequence[int],
+    device_keys: Sequence[str] | None,
 ) -> KVLedgerOptions | None:
     """The ledger part of the policy with ``--kv-cache-vmm-shared``; the
     ranks' devices are ``device_keys`` (one per rank, ``host`` for all when
     None)."""
-    if not getattr(options, "kv_cache_vmm_shared", False):
+    if not options.kv_cache_vmm_shared:
         return None
     if device_keys is None:
         device_keys = ["host"] * len(rank_page_bytes)
@@ -439,10 +444,11 @@ def kv_ledger_options(
         devices[key] = devices.get(key, 0) + nbytes
     return KVLedgerOptions(
         devices=devices,
-        capacity_bytes=getattr(options, "kv_cache_vmm_shared_bytes", None),
-        floor_bytes=getattr(options, "kv_cache_vmm_floor_bytes", None),
-        limit_bytes=getattr(options, "kv_cache_vmm_limit_bytes", None),
+        capacity_bytes=options.kv_cache_vmm_shared_bytes,
+        floor_bytes=options.kv_cache_vmm_floor_bytes,
+        limit_bytes=options.kv_cache_vmm_limit_bytes,
         name=f"pid {os.getpid()}",
+        group=options.kv_cache_vmm_shared_group,
     )
 
 
@@ -492,7 +498,11 @@ def set_kv_page_policy(
 
         num_blocks = max(c.num_blocks for c in kv_cache_configs)
         num_pages = -(-num_blocks // policy.blocks_per_page)
-        status = create_page_status(num_pages, tag=f"{id(policy):x}")
+        status = create_page_status(
+            num_pages,
+            tag=f"{id(policy):x}",
+            group=cache_config.kv_cache_vmm_shared_group,
+        )
         policy.page_status_path = status.path
         status.close()
     for config in kv_cache_configs:

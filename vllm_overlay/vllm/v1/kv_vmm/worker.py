@@ -531,7 +531,9 @@ def measure_shared_kv_capacity(
 
     # The engine core names each rank's device ledger the same way.
     ledger_key = current_platform.get_device_uuid(device.index or 0)
-    ledger = KVMemoryLedger(ledger_key)
+    # A ledger that cannot be used refuses the start (LedgerError: the file,
+    # the problem and the fix).
+    ledger = KVMemoryLedger(ledger_key, group=cache_config.kv_cache_vmm_shared_group)
     ledger_kv = ledger.mapped_bytes()
     held_by_others = max(total_bytes - init_free_bytes - ledger_kv, 0)
     measured = requested_bytes - held_by_others - non_kv_bytes
