@@ -67,10 +67,10 @@ upstream-baseline:  ## run the curated upstream tests on stock vX, write ci/upst
 
 BENCH_OUT ?= build/bench
 bench:  ## benchmark suite, VMM KV vs stock side by side, into $(BENCH_OUT) (BENCH_ARGS="--quick ...")
-	$(PYTHON) scripts/bench.py --out "$(BENCH_OUT)" $(BENCH_ARGS)
+	$(PYTHON) scripts/bench/bench.py --out "$(BENCH_OUT)" $(BENCH_ARGS)
 
 bench-doc:  ## write $(BENCH_OUT)/results.json into docs/BENCHMARKS.md (and docs/bench/e2e/)
-	$(PYTHON) scripts/bench_report.py "$(BENCH_OUT)/results.json" --doc docs/BENCHMARKS.md
+	$(PYTHON) scripts/bench/bench_report.py "$(BENCH_OUT)/results.json" --doc docs/BENCHMARKS.md
 
 hf-cache:  ## build/hf-cache: offline hub cache of the public model configs in ci/hf-models
 	$(S)/hf_cache.py

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""scripts/bench_nixl_vmm.py (the transfer part of item 5) on CPU: two real NIXL agents in
-two processes, KV in host memory, UCX over the loopback. The figures are for GPU hosts; this
+"""scripts/bench/bench_nixl_vmm.py (the transfer part of item 5) on CPU: two real NIXL agents
+in two processes, KV in host memory, UCX over the loopback. The figures are for GPU hosts; this
 checks that every mode runs and reads the way it says it does, with a block table larger
 than a pipe holds (one prompt's read shape is 16,000 blocks)."""
 
@@ -28,8 +28,8 @@ def test_every_mode_reads_a_table_larger_than_a_pipe(tmp_path: Path):
     warmup, iters = 1, 3
     # 32768 blocks of 1 KiB per side, as on a GPU host but smaller: each side's block
     # table is 768 KiB, more than a local socket pair holds.
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_nixl_vmm.py"), "--kind", "host",
-           "--block-bytes", "1024", "--num-blocks", "32768", "--blocks-per-read", "16000",
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_nixl_vmm.py"), "--kind",
+           "host", "--block-bytes", "1024", "--num-blocks", "32768", "--blocks-per-read", "16000",
            "--warmup", str(warmup), "--iters", str(iters),
            "--modes", "stock,vmm,vmm_ucx,link", "--json", str(out)]
     env = dict(os.environ, UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo")

@@ -1,5 +1,6 @@
-"""The benchmark suite (scripts/bench.py) end to end on CPU: real vLLM engines (stock and VMM KV)
-on a tiny dummy-weight Llama, each in its own process, then the doc generator on the results.
+"""The benchmark suite (scripts/bench/bench.py) end to end on CPU: real vLLM engines (stock and
+VMM KV) on a tiny dummy-weight Llama, each in its own process, then the doc generator on the
+results.
 
 No timing is asserted (2 shared CPU cores); the test checks that every item either has numbers
 or says why it was not measured, and that the elasticity check used the engine's own figures.
@@ -30,8 +31,9 @@ def _finite(x) -> bool:
 def test_bench_quick_cpu(tmp_path: Path):
     out = tmp_path / "bench"
     # Item 7 (several servers) has a test of its own: test_bench_sharing.py.
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-                           "--device", "cpu", "--out", str(out), "--items", "1,2,3,4,5,6",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"),
+                           "--quick", "--device", "cpu", "--out", str(out), "--items",
+                           "1,2,3,4,5,6",
                            # The default headroom, given explicitly: the VMM side's own
                            # engine arguments reach its engines and the results.
                            "--vmm-args", json.dumps(VMM_ARGS)],
@@ -94,7 +96,7 @@ def test_bench_quick_cpu(tmp_path: Path):
     doc.parent.mkdir()
     doc.write_text("# Benchmarks\n\n## Page map (kept)\n\ntext\n")
     for _ in range(2):
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_report.py"),
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_report.py"),
                         str(out / "results.json"), "--doc", str(doc)], check=True, timeout=60)
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\n## Page map (kept)\n\ntext\n")

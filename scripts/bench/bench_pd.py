@@ -12,10 +12,10 @@ come back, to the decode instance, which reads the prompt's KV from the prefill 
 GPU over NIXL and produces the first token. TTFT is the wall time of both requests, one
 request at a time, after one untimed request (the NIXL handshake).
 
-Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json; scripts/bench.py
+Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json; scripts/bench/bench.py
 (item 5) runs it once per A/B repetition.
 
-  python scripts/bench_pd.py --backend vmm --model <config dir> --json /tmp/pd.json
+  python scripts/bench/bench_pd.py --backend vmm --model <config dir> --json /tmp/pd.json
 """
 
 from __future__ import annotations

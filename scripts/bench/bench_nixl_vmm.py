@@ -32,17 +32,17 @@ vmm/stock ratio and each mode's fraction of the link; ``--json`` writes
 them. On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
 picks cuda_ipc where it can)::
 
-    python scripts/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
+    python scripts/bench/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
 
 The shape of one prompt's read in the P/D TTFT item (Llama-3.1-8B, 4000 tokens: 250
 blocks x 32 layers x K and V, 32 KiB each), without the slow path between hosts::
 
-    python scripts/bench_nixl_vmm.py --kind cuda --block-bytes 32768 --num-blocks 32768 \
+    python scripts/bench/bench_nixl_vmm.py --kind cuda --block-bytes 32768 --num-blocks 32768 \
         --blocks-per-read 16000 --modes stock,vmm,vmm_batch,link
 
 On the host (DRAM over UCX loopback)::
 
-    UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo python scripts/bench_nixl_vmm.py --kind host
+    UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo python scripts/bench/bench_nixl_vmm.py --kind host
 
 Run with the patched vLLM tree on PYTHONPATH, or where vLLM is not installed
 (it then imports the package from ``vllm_overlay/``).
@@ -65,7 +65,7 @@ except ModuleNotFoundError:
             "the installed vLLM has no vllm.v1.kv_vmm.nixl_segments: put the "
             "patched tree on PYTHONPATH, or run where vLLM is not installed"
         ) from None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_overlay"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "vllm_overlay"))
 
 
 def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):

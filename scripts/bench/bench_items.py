@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Benchmark suite, driver side: the A/B machinery and the items (scripts/bench.py).
+"""Benchmark suite, driver side: the A/B machinery and the items (scripts/bench/bench.py).
 
 Each item starts its engines in processes of their own (bench_child.py, `vllm serve` through
 bench_server.py, bench_vmm.py, bench_pd.py, bench_nixl_vmm.py), stock and VMM KV interleaved
@@ -18,8 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+BENCH = Path(__file__).resolve().parent
+# The benchmarks' own modules, and the harness's shared helpers (tiny_model, model_configs).
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 from bench_child import REPEAT_SUFFIX  # noqa: E402
 from bench_report import IDLE_TTFT  # noqa: E402
@@ -29,9 +30,9 @@ from bench_server import Server  # noqa: E402
 # keeps the run short (the default keeps pages for bursts that follow closely).
 ELASTIC_SHRINK_DELAY_S = 1.0
 
-CHILD_SCRIPT = SCRIPTS / "bench_child.py"
-PD_SCRIPT = SCRIPTS / "bench_pd.py"
-NIXL_SCRIPT = SCRIPTS / "bench_nixl_vmm.py"
+CHILD_SCRIPT = BENCH / "bench_child.py"
+PD_SCRIPT = BENCH / "bench_pd.py"
+NIXL_SCRIPT = BENCH / "bench_nixl_vmm.py"
 
 
 class Budget:
@@ -229,7 +230,7 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
         log = runner.logs / f"pagemap_{i + 1}.log"
         print(f"pagemap: invocation {i + 1}", flush=True)
         with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vmm.py"), "--backend",
+            rc = subprocess.run([sys.executable, str(BENCH / "bench_vmm.py"), "--backend",
                                  p["backend"], "--pages", str(p["pages"]), "--repeats",
                                  str(p["repeats"]), "--json", str(js)], stdout=f,
                                 stderr=subprocess.STDOUT, env=runner.env, timeout=300).returncode
@@ -292,7 +293,7 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
     result["transfer_gbps"]["of_link"] = {
         mode: spread([x / link for x, link in zip(values, extra["link"])])
         for mode, values in (("stock", stock), ("vmm", vmm), ("vmm_ucx", extra["vmm_ucx"]))}
-    # scripts/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
+    # scripts/bench/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
     # requests through both; one run per repetition, pairs while the budget allows.
     model = model_dir(prof["elastic"]["model"], out)
     runs: dict[str, list[float]] = {"default": [], "vmm": []}
@@ -363,7 +364,7 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
 
 
 
-SHARING_SCRIPT = SCRIPTS / "bench_sharing.py"
+SHARING_SCRIPT = BENCH / "bench_sharing.py"
 SHARING_STATS = ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "peaks_output_tok_s",
                  "single_output_tok_s", "single_ttft_mean_ms")
 
@@ -383,7 +384,7 @@ def sharing_modes(text: str | None, device: str) -> list[str]:
 
 def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path: str | None,
                  kvcached_env: list[str], modes_text: str | None = None) -> dict:
-    """scripts/bench_sharing.py once per mode: N engines on one device behind their own
+    """scripts/bench/bench_sharing.py once per mode: N engines on one device behind their own
     servers; static split (stock), shared VMM KV (this series), kvcached (if installed)."""
     modes = sharing_modes(modes_text, device)
     sharing = prof["sharing"]
