@@ -258,6 +258,26 @@ def _run(mode: str, args: argparse.Namespace) -> dict:
     return owner_end.recv()
 
 
+def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
+    """Lines for the modes measured (in this order); adds their fraction of the link and the
+    VMM/stock ratio to ``results`` where both are there."""
+    measured = [m for m in modes if m in results]
+    if "link" in results:
+        link = results["link"]["gb_per_s"]
+        results["of_link"] = {m: results[m]["gb_per_s"] / link for m in measured}
+    lines = []
+    for mode in measured:
+        r = results[mode]
+        of_link = (f"; {results['of_link'][mode]:.3f} of the link"
+                   if "of_link" in results else "")
+        lines.append(f"{mode:7s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
+                     f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read{of_link})")
+    if "vmm" in results and "stock" in results:
+        results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
+        lines.append(f"vmm/stock: {results['vmm_over_stock']:.3f}")
+    return lines
+
+
 MODES = ("stock", "vmm", "vmm_ucx", "link")
 OPTIONAL_MODES = ("vmm_batch",)
 
@@ -286,19 +306,9 @@ def main() -> None:
         if torch.cuda.device_count() < 2:
             raise SystemExit("--kind cuda needs two GPUs (owner cuda:1, reader cuda:0)")
     results: dict[str, Any] = {mode: _run(mode, args) for mode in modes}
-    if "link" in results:
-        link = results["link"]["gb_per_s"]
-        results["of_link"] = {mode: results[mode]["gb_per_s"] / link for mode in modes}
+    lines = summary(results, modes)
     results["config"] = vars(args) | {"json": str(args.json) if args.json else None}
-    for mode in modes:
-        r = results[mode]
-        of_link = (f"; {results['of_link'][mode]:.3f} of the link"
-                   if "of_link" in results else "")
-        print(f"{mode:7s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
-              f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read{of_link})")
-    if "vmm" in results and "stock" in results:
-        results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
-        print(f"vmm/stock: {results['vmm_over_stock']:.3f}")
+    print("\n".join(lines), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

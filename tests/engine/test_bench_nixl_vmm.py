@@ -3,7 +3,9 @@
 """scripts/bench/bench_nixl_vmm.py (the transfer part of item 5) on CPU: two real NIXL agents
 in two processes, KV in host memory, UCX over the loopback. The figures are for GPU hosts; this
 checks that every mode runs and reads the way it says it does, with a block table larger
-than a pipe holds (one prompt's read shape is 16,000 blocks)."""
+than a pipe holds (one prompt's read shape is 16,000 blocks). Marked slow (eight processes
+with NIXL, four of them importing vLLM); the printed figures and ratios are unit-tested in
+tests/harness/test_bench_nixl_vmm.py."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ pytest.importorskip("nixl", reason="the benchmark needs the nixl package")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_every_mode_reads_a_table_larger_than_a_pipe(tmp_path: Path):
     out = tmp_path / "nixl.json"
     warmup, iters = 1, 3

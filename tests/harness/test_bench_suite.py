@@ -1,0 +1,124 @@
+"""The benchmark suite's driver (scripts/bench/bench.py, bench_items.py) and report without
+vLLM: how the A/B pairs of items 1 and 2 become figures, what a CPU run reports, and the doc
+section. Items 1 and 2's aggregation runs on the results of a stand-in Runner (one engine per
+result would need the engine tier; tests/engine/test_bench_suite.py runs the whole suite on
+real engines, marked slow).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
+
+from bench_items import Budget, Runner, item_engine_ab, item_pd, item_tp2_startup  # noqa: E402
+from bench_report import IDLE_TTFT, render_results, update_doc  # noqa: E402
+
+CPU = {"models": ["tiny-llama"], "repeats": 2, "engine": {"max_num_seqs": 8},
+       "vmm_args": {"kv_cache_vmm_headroom_pages": 1}, "idle_ttft_input": 600,
+       "workloads": {"prefill": {"num": 8, "input": 128, "output": 2},
+                     "decode": {"num": 8, "input": 16, "output": 16}},
+       "elastic": {"model": "tiny-llama"}, "est_child_s": 1, "est_serve_s": 1,
+       "warmup": False}
+
+
+class StandInRunner:
+    """Answers each engine process of items 1 and 2 with figures that depend on the side and
+    the pair (stock: 100 tokens/s x pair, VMM: 90 x pair); a name in ``fail`` fails."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+
+    def child(self, name: str, spec: dict, timeout: float) -> dict:
+        self.calls.append(name)
+        if name == self.fail:
+            return {"error": "exit status 1; log 03-x.log: RuntimeError: boom"}
+        pair = sum(c == name for c in self.calls)
+        speed = (100.0 if spec["backend"] == "default" else 90.0) * pair
+        keys = [k + s for k in spec["workloads"] for s in ("", ", 2nd run")]
+        result = {"startup_s": 10.0 * pair + (1 if spec["backend"] == "vmm" else 0),
+                  "workloads": {k: {"tokens_per_s": speed} for k in keys},
+                  "idle_ttft": {"ttft_s": 0.5 * pair, "mapped_bytes_idle": 4 << 20},
+                  "wall_s": 1.0}
+        if spec["backend"] == "vmm":
+            result["page_stats"] = [{"kv_pages_mapped_total": 3 * pair, "page_bytes": 2 << 20}]
+        return result
+
+
+def test_items_1_and_2_pair_the_sides_and_keep_what_the_vmm_side_ran_with(tmp_path):
+    runner = StandInRunner()
+    got = item_engine_ab(runner, CPU, {"throughput", "startup"}, Budget(3600), tmp_path, 0)
+    # Interleaved: pair 1 stock first, pair 2 VMM first.
+    assert runner.calls == ["tiny-llama-default", "tiny-llama-vmm", "tiny-llama-vmm",
+                            "tiny-llama-default"]
+    model = got["throughput"]["models"]["tiny-llama"]
+    for key in ("prefill", "decode", "prefill, 2nd run", "decode, 2nd run"):
+        s = model[key]
+        assert (s["a"], s["b"], s["n"]) == ([100.0, 200.0], [90.0, 180.0], 2)
+        assert s["ratio"] == pytest.approx(0.9) and s["num"] == 8
+    assert model["vmm_page_stats"] == [{"kv_pages_mapped_total": 6, "page_bytes": 2 << 20}]
+    idle = model[IDLE_TTFT]
+    assert idle["input"] == 600 and idle["vmm_idle_mapped_bytes"] == [4 << 20, 4 << 20]
+    assert got["throughput"]["vmm_args"] == CPU["vmm_args"]
+    startup = got["startup"]["models"]["tiny-llama"]["startup_s"]
+    assert startup["a"] == [10.0, 20.0] and startup["b"] == [11.0, 21.0]
+    assert got["throughput"]["engine"] == CPU["engine"]
+    md = render_results({"items": got})
+    assert "prefill, 2nd run (8 x 128 in / 2 out)" in md
+    assert '`{"kv_cache_vmm_headroom_pages": 1}`' in md
+
+
+def test_a_failed_engine_process_leaves_its_model_not_measured_with_the_error(tmp_path):
+    runner = StandInRunner(fail="tiny-llama-vmm")
+    got = item_engine_ab(runner, CPU, {"throughput", "startup"}, Budget(3600), tmp_path, 0)
+    assert runner.calls == ["tiny-llama-default", "tiny-llama-vmm"]  # no further pairs
+    for item in ("throughput", "startup"):
+        assert got[item]["models"]["tiny-llama"] == {
+            "not_measured": "exit status 1; log 03-x.log: RuntimeError: boom"}
+
+
+def test_the_two_gpu_items_say_why_a_cpu_or_one_gpu_host_skips_them(tmp_path):
+    runner = Runner(tmp_path, "cpu")
+    assert item_pd(runner, CPU, tmp_path, 0, Budget(60)) == {
+        "not_measured": "needs 2 GPUs, this host has 0"}
+    assert item_tp2_startup(runner, CPU, tmp_path, "cpu", 0, 2, Budget(60)) == {
+        "not_measured": "needs 2 GPUs (CPU run)"}
+    assert item_tp2_startup(runner, CPU, tmp_path, "cuda", 1, 2, Budget(60)) == {
+        "not_measured": "needs 2 GPUs, this host has 1"}
+    md = render_results({"items": {"pd": {"not_measured": "needs 2 GPUs, this host has 1"}}})
+    assert "| 5 | P/D over NIXL |  |  | not measured: needs 2 GPUs, this host has 1 |" in md
+
+
+def test_the_doc_section_is_replaced_in_place_and_the_timeline_copied(tmp_path):
+    run = {"date": "d", "command": "python3 scripts/bench/bench.py", "device": "cpu",
+           "vllm": "0.32.0", "torch": "2.13.0", "python": "3.11", "cpu_count": 2,
+           "suite_s": 120.0}
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "elasticity.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    el = {"run": run, "model": "tiny-llama", "png": "elasticity.png", "page_bytes": 2 << 20,
+          "blocks_per_page": 16, "block_size": 128, "max_pages": 32, "headroom_pages": 1,
+          "startup_mapped_bytes": 4 << 20, "bursts": [
+              {"requests": 8, "input": 600, "output": 4, "peak_mapped_bytes": 10 << 20,
+               "mapped_bytes_after": 4 << 20, "bound_bytes": 4 << 20, "live_tokens_after": 0,
+               "ok": True}]}
+    (out / "results.json").write_text(json.dumps({"items": {"elasticity": el}}))
+    doc = tmp_path / "docs" / "BENCHMARKS.md"
+    doc.parent.mkdir()
+    doc.write_text("# Benchmarks\n\n## Page map (kept)\n\ntext\n")
+    for _ in range(2):
+        update_doc(doc, [out / "results.json"], tmp_path / "docs" / "bench" / "e2e")
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\n## Page map (kept)\n\ntext\n")
+    assert text.count("## VMM KV vs stock KV allocation") == 1
+    assert "| 3 | burst 1" in text and "docs/bench/e2e/elasticity.png" in text
+    assert "whole run" in text
+    e2e = tmp_path / "docs" / "bench" / "e2e"
+    assert (e2e / "elasticity.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((e2e / "results.json").read_text())["items"]["elasticity"]["bursts"]
