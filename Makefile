@@ -44,10 +44,12 @@ overlay-install:  ## lay the series over an installed vLLM: SITE=<site-packages>
 overlay-uninstall:  ## restore the installed vLLM from the backup: SITE=<site-packages>
 	$(S)/overlay_install.py --site "$(SITE)" --uninstall
 
+# The test targets install their own tools: pytest for the harness tier in build/venv-harness
+# (ci/requirements-harness.txt, made on first use), each release's in build/venv-X.
 test:  ## every release in ci/matrix.toml at its CI tiers (what CI runs)
 	$(S)/run_tests.py
 
-test-harness:  ## the harness's own tests only
+test-harness:  ## the harness's own tests only (pytest from build/venv-harness, made on first use)
 	$(S)/run_tests.py --tiers harness
 
 test-release:  ## one release (VLLM_VERSION) at its CI tiers
