@@ -4,7 +4,8 @@
 real decode server (`vllm serve`, NixlConnector, KV in host memory, UCX over the loopback),
 each request sent the way a disaggregating proxy sends it. The figures are for GPU hosts;
 this checks the flow: the decode server must answer from the prefill server's transfer
-params (the script fails otherwise), with VMM-backed KV on both."""
+params (the script fails otherwise), with VMM-backed KV on both. How the script ends when an
+instance dies, stalls or fails to start: tests/harness/test_bench_pd.py."""
 
 from __future__ import annotations
 
