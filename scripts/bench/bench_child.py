@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_proc import fault
+
 #: Key of a workload's second run in the same engine (see child_throughput).
 REPEAT_SUFFIX = ", 2nd run"
 
@@ -221,6 +223,7 @@ def child_probe(spec: dict) -> dict:
 
 def child_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    fault(f"child:{spec['kind']}")
     result = {"throughput": child_throughput, "elasticity": child_elasticity,
               "probe": child_probe}[spec["kind"]](spec)
     Path(out_path).write_text(json.dumps(result))

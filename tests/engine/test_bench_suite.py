@@ -5,8 +5,8 @@ results.
 No timing is asserted (2 shared CPU cores); the test checks that every item either has numbers
 or says why it was not measured, and that the elasticity check used the engine's own figures.
 Marked slow (a dozen engine processes): CI runs the suite's logic in
-tests/harness/test_bench_suite.py (A/B pairs into figures, the report and the doc section)
-and the engines' elasticity in test_vmm_kv_engine.py.
+tests/harness/test_bench_suite.py (A/B pairs into figures, the report and the doc section,
+failing and stalled processes) and the engines' elasticity in test_vmm_kv_engine.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
-"""The benchmark suite's driver (scripts/bench/bench.py, bench_items.py) and report without
-vLLM: how the A/B pairs of items 1 and 2 become figures, what a CPU run reports, and the doc
-section. Items 1 and 2's aggregation runs on the results of a stand-in Runner (one engine per
+"""The benchmark suite's driver (scripts/bench/bench.py, bench_items.py, bench_proc.py) and
+report without vLLM: how the A/B pairs of items 1 and 2 become figures, what a CPU run
+reports, the doc section, and how a benchmark process that fails or stalls ends its
+measurement.
+
+Processes are real: bench_child.py (its failure injected where it starts,
+KVSERIES_BENCH_FAULT, before it imports torch or vLLM) and small commands for the session
+kill. Items 1 and 2's aggregation runs on the results of a stand-in Runner (one engine per
 result would need the engine tier; tests/engine/test_bench_suite.py runs the whole suite on
 real engines, marked slow).
 """
@@ -8,7 +13,10 @@ real engines, marked slow).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
 
 from bench_items import Budget, Runner, item_engine_ab, item_pd, item_tp2_startup  # noqa: E402
+from bench_proc import run_logged  # noqa: E402
 from bench_report import IDLE_TTFT, render_results, update_doc  # noqa: E402
 
 CPU = {"models": ["tiny-llama"], "repeats": 2, "engine": {"max_num_seqs": 8},
@@ -91,8 +100,69 @@ def test_the_two_gpu_items_say_why_a_cpu_or_one_gpu_host_skips_them(tmp_path):
         "not_measured": "needs 2 GPUs (CPU run)"}
     assert item_tp2_startup(runner, CPU, tmp_path, "cuda", 1, 2, Budget(60)) == {
         "not_measured": "needs 2 GPUs, this host has 1"}
+    assert runner.failures == []  # not measured here is no failure
     md = render_results({"items": {"pd": {"not_measured": "needs 2 GPUs, this host has 1"}}})
     assert "| 5 | P/D over NIXL |  |  | not measured: needs 2 GPUs, this host has 1 |" in md
+
+
+def test_a_failing_benchmark_process_ends_its_measurement_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERIES_BENCH_FAULT", "child:probe=raise")
+    runner = Runner(tmp_path, "cpu")
+    start = time.monotonic()
+    r = runner.child("probe", {"kind": "probe"}, timeout=120)
+    assert time.monotonic() - start < 30
+    assert r["error"].startswith("exit status 1; log 01-probe.log: ")
+    assert "RuntimeError: fault injected at child:probe (KVSERIES_BENCH_FAULT)" in r["error"]
+    assert runner.failures == [f"probe: {r['error']}"]
+
+
+def test_a_stalled_benchmark_process_is_killed_at_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERIES_BENCH_FAULT", "child:elasticity=stall")
+    runner = Runner(tmp_path, "cpu")
+    start = time.monotonic()
+    r = runner.child("elasticity", {"kind": "elasticity"}, timeout=2)
+    assert time.monotonic() - start < 20
+    assert r["error"] == ("no result in 2 s (killed); log 01-elasticity.log: "
+                          "KVSERIES_BENCH_FAULT: stall at child:elasticity")
+    assert len(runner.failures) == 1
+
+
+def test_run_logged_kills_what_the_process_started(tmp_path):
+    # A process that starts a grandchild and stalls: at the deadline both go.
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+              "print('started', flush=True)\ntime.sleep(600)\n")
+    log = tmp_path / "x.log"
+    assert run_logged([sys.executable, "-c", script], log, 3, dict(os.environ)) is None
+    assert "started" in log.read_text()
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+    assert run_logged([sys.executable, "-c", "raise SystemExit(4)"], log, 30,
+                      dict(os.environ)) == 4
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, killed and not yet reaped by its parent, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_the_suite_ends_with_the_probe_error(tmp_path):
+    env = {**os.environ, "KVSERIES_BENCH_FAULT": "child:probe=exit"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"),
+                           "--device", "cpu", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert ("the probe of torch, vLLM and the GPUs failed: exit status 3; log 01-probe.log: "
+            "KVSERIES_BENCH_FAULT: exit at child:probe") in done.stderr
 
 
 def test_the_doc_section_is_replaced_in_place_and_the_timeline_copied(tmp_path):
