@@ -71,6 +71,7 @@ from bench_items import (  # noqa: E402
     Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_sharing,
     item_tp2_startup, sharing_modes,
 )
+from bench_proc import exit_on_signals  # noqa: E402
 from bench_report import merge_item, render_results  # noqa: E402
 
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup", "sharing"]
@@ -196,6 +197,7 @@ def main() -> None:
                    help="item 7: comma-separated modes, run in this order (default "
                    "static,shared and, on CUDA, kvcached)")
     args = p.parse_args()
+    exit_on_signals()  # SIGTERM: the running process is killed, the results written
     items = parse_items(args.items)
     budget = Budget(args.budget_s)
     out = args.out.resolve()

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proc import describe_exit, fault, tail  # noqa: E402
+from bench_proc import describe_exit, die_with_parent, exit_on_signals, fault, tail  # noqa: E402
 
 VLLM_OVERLAY = Path(__file__).resolve().parents[2] / "vllm_overlay"
 if (__name__ in ("__main__", "__mp_main__") and str(VLLM_OVERLAY) not in sys.path
@@ -276,7 +276,8 @@ def _link(args: argparse.Namespace) -> dict:
 def _child(mode: str, role: str, args: argparse.Namespace, peer: Connection | None,
            report: Connection, log: str) -> None:
     """A process of a mode: its output goes to ``log`` (the parent shows it), and its
-    outcome to ``report``: ("ok", result) or ("error", traceback)."""
+    outcome to ``report``: ("ok", result) or ("error", traceback). It dies with the parent."""
+    die_with_parent()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -418,6 +419,7 @@ def main() -> None:
                         "not done by then ends the run (default 600)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    exit_on_signals()  # SIGTERM: the modes measured are printed, the processes killed
     modes = [m for m in args.modes.split(",") if m]
     if unknown := sorted(set(modes) - set(MODES + OPTIONAL_MODES)):
         parser.error(f"unknown mode(s) {unknown}; choose from "

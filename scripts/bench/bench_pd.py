@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proc import TAIL_LINES, describe_exit, tail  # noqa: E402
+from bench_proc import TAIL_LINES, describe_exit, exit_on_signals, tail  # noqa: E402
 from bench_server import Server, _free_port  # noqa: E402
 
 # NixlConnector's prefill-side request fields, as a disaggregating proxy sends them.
@@ -169,6 +169,7 @@ def main() -> None:
                    help="cpu: both instances on this host's CPUs, KV in host memory "
                    "(checks the flow; the figures are for GPUs)")
     args = p.parse_args()
+    exit_on_signals()  # SIGTERM: the servers are stopped on the way out
 
     logs = args.logs or args.json.parent
     logs.mkdir(parents=True, exist_ok=True)

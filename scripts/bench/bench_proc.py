@@ -13,6 +13,7 @@ or ``stall`` (it sleeps for an hour).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -37,7 +38,8 @@ def fault(point: str) -> None:
                              f"one of {', '.join(FAULT_ACTIONS)}")
         if point != key and not point.startswith(key + ":"):
             continue
-        print(f"{FAULT_ENV}: {action} at {point}", file=sys.stderr, flush=True)
+        print(f"{FAULT_ENV}: {action} at {point} (pid {os.getpid()})", file=sys.stderr,
+              flush=True)
         if action == "raise":
             raise RuntimeError(f"fault injected at {point} ({FAULT_ENV})")
         if action == "exit":
@@ -66,6 +68,23 @@ def describe_exit(code: int | None) -> str:
     return f"exit status {code}"
 
 
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end this process like an error (SystemExit 128 + signal), so that
+    its cleanup runs: the processes it started are killed, what it measured is written."""
+    def handler(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def die_with_parent() -> None:
+    """In a child before exec (``preexec_fn``): SIGKILL when the process that started it
+    dies, also of SIGKILL, so a session of its own does not outlive the benchmark."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def kill_session(proc: subprocess.Popen) -> None:
     """Kill a child started with start_new_session=True and whatever it started."""
     try:
@@ -78,14 +97,19 @@ def kill_session(proc: subprocess.Popen) -> None:
 def run_logged(cmd: list[str], log: Path, timeout: float, env: dict) -> int | None:
     """``cmd`` with its output in ``log``, in a session of its own; its exit code, or None if
     it ran past ``timeout`` seconds. A child that ran too long or failed is killed with every
-    process it started (engine cores, workers), so none outlives it."""
+    process it started (engine cores, workers), so none outlives it; so is one still running
+    when the wait ends otherwise (Ctrl-C, SIGTERM through exit_on_signals), and the child
+    dies with this process (die_with_parent)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
+        except BaseException:
+            kill_session(proc)
+            raise
         if rc != 0:
             kill_session(proc)
     return rc

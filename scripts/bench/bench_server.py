@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proc import describe_exit, tail  # noqa: E402
+from bench_proc import describe_exit, die_with_parent, tail  # noqa: E402
 
 
 def _free_port() -> int:
@@ -51,7 +51,7 @@ class Server:
             self.started = time.monotonic()
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                          env={**base_env, **(env or {})},
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

@@ -122,9 +122,55 @@ def test_a_stalled_benchmark_process_is_killed_at_its_deadline(tmp_path, monkeyp
     start = time.monotonic()
     r = runner.child("elasticity", {"kind": "elasticity"}, timeout=2)
     assert time.monotonic() - start < 20
-    assert r["error"] == ("no result in 2 s (killed); log 01-elasticity.log: "
-                          "KVSERIES_BENCH_FAULT: stall at child:elasticity")
+    assert r["error"].startswith("no result in 2 s (killed); log 01-elasticity.log: "
+                                 "KVSERIES_BENCH_FAULT: stall at child:elasticity (pid ")
     assert len(runner.failures) == 1
+    assert not _alive(int(r["error"].rsplit("(pid ", 1)[1].rstrip(")")))
+
+
+def test_what_a_benchmark_started_dies_with_it(tmp_path):
+    # The process running the benchmark is killed outright (SIGKILL: no cleanup of its own):
+    # the process it started in a session of its own goes with it.
+    log = tmp_path / "child.log"
+    code = (f"import os, sys; sys.path.insert(0, {str(ROOT / 'scripts' / 'bench')!r})\n"
+            "from bench_proc import run_logged\n"
+            f"run_logged([sys.executable, '-c', 'import os, time; print(os.getpid(), "
+            f"flush=True); time.sleep(600)'], __import__('pathlib').Path({str(log)!r}), 600, "
+            "dict(os.environ))\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    child = _wait_for_pid(log)
+    parent.kill()
+    parent.wait()
+    assert _gone(child)
+
+
+def test_sigterm_ends_the_suite_and_what_it_started(tmp_path):
+    env = {**os.environ, "KVSERIES_BENCH_FAULT": "child:probe=stall"}
+    suite = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"),
+                              "--device", "cpu", "--out", str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    probe = _wait_for_pid(tmp_path / "logs" / "01-probe.log", marker="(pid ")
+    suite.terminate()
+    assert suite.wait(timeout=30) == 128 + 15
+    assert _gone(probe)
+
+
+def _wait_for_pid(log: Path, marker: str = "") -> int:
+    """The pid a process writes into its log (after ``marker``, else the first line)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if (marker in text if marker else text.endswith("\n")):
+            return int((text.rsplit(marker, 1)[1] if marker else text).split(")")[0].split()[0])
+        time.sleep(0.1)
+    raise AssertionError(f"no pid in {log} in 60 s")
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
 
 
 def test_run_logged_kills_what_the_process_started(tmp_path):
