@@ -66,7 +66,7 @@ def test_every_mode_reads_a_table_larger_than_a_pipe(tmp_path: Path):
            "--num-blocks", "32768", "--blocks-per-read", "16000",
            "--warmup", str(warmup), "--iters", str(iters),
            "--modes", "stock,vmm,vmm_ucx,link", "--json", str(out)]
-    done = run_in_own_session(cmd, env=dict(os.environ, **UCX_ENV), timeout=300,
+    done = run_in_own_session(cmd, env=dict(os.environ, **UCX_ENV), timeout=900,
                               what="bench_nixl_vmm.py")
     assert done.returncode == 0, done.stdout[-4000:]
     results = json.loads(out.read_text())

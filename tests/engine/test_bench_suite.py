@@ -40,7 +40,7 @@ def test_bench_quick_cpu(tmp_path: Path):
                            # The default headroom, given explicitly: the VMM side's own
                            # engine arguments reach its engines and the results.
                            "--vmm-args", json.dumps(VMM_ARGS)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     items = results["items"]
