@@ -44,10 +44,12 @@ overlay-install:  ## lay the series over an installed vLLM: SITE=<site-packages>
 overlay-uninstall:  ## restore the installed vLLM from the backup: SITE=<site-packages>
 	$(S)/overlay_install.py --site "$(SITE)" --uninstall
 
+# The test targets install their own tools: pytest for the harness tier in build/venv-harness
+# (ci/requirements-harness.txt, made on first use), each release's in build/venv-X.
 test:  ## every release in ci/matrix.toml at its CI tiers (what CI runs)
 	$(S)/run_tests.py
 
-test-harness:  ## the harness's own tests only
+test-harness:  ## the harness's own tests only (pytest from build/venv-harness, made on first use)
 	$(S)/run_tests.py --tiers harness
 
 test-release:  ## one release (VLLM_VERSION) at its CI tiers
@@ -67,10 +69,10 @@ upstream-baseline:  ## run the curated upstream tests on stock vX, write ci/upst
 
 BENCH_OUT ?= build/bench
 bench:  ## benchmark suite, VMM KV vs stock side by side, into $(BENCH_OUT) (BENCH_ARGS="--quick ...")
-	$(PYTHON) scripts/bench.py --out "$(BENCH_OUT)" $(BENCH_ARGS)
+	$(PYTHON) scripts/bench/bench.py --out "$(BENCH_OUT)" $(BENCH_ARGS)
 
 bench-doc:  ## write $(BENCH_OUT)/results.json into docs/BENCHMARKS.md (and docs/bench/e2e/)
-	$(PYTHON) scripts/bench_report.py "$(BENCH_OUT)/results.json" --doc docs/BENCHMARKS.md
+	$(PYTHON) scripts/bench/bench_report.py "$(BENCH_OUT)/results.json" --doc docs/BENCHMARKS.md
 
 hf-cache:  ## build/hf-cache: offline hub cache of the public model configs in ci/hf-models
 	$(S)/hf_cache.py

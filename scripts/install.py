@@ -44,6 +44,8 @@ CPU_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
 MARKER = "kv-series-install.json"
 FINDER_MODULE = "__editable___vllm_kv_series_finder.py"
 TEST_REQUIREMENTS = ROOT / "ci" / "requirements-test.txt"
+HARNESS_REQUIREMENTS = ROOT / "ci" / "requirements-harness.txt"
+HARNESS_STAMP = "kv-series-requirements.sha256"
 NIXL_REQUIREMENTS = ROOT / "ci" / "requirements-nixl.txt"
 
 FINDER = '''\
@@ -125,6 +127,44 @@ def ensure_venv(venv: Path) -> None:
     print(f"creating virtualenv {venv} ({python})")
     run([python, "-m", "venv", str(venv)])
     pip(venv, "install", "-q", "--upgrade", "pip")
+
+
+def harness_venv() -> Path:
+    return build_dir() / "venv-harness"
+
+
+def ensure_harness_venv(venv: Path | None = None) -> Path:
+    """The Python of build/venv-harness: the harness tier's test tools
+    (ci/requirements-harness.txt: pytest, pytest-timeout) in a virtualenv made with this
+    Python (venv + pip) on first use, and made again when the requirements file changes
+    (its sha256 is kept in the virtualenv). The harness scripts themselves need only the
+    standard library; the system's Python gets nothing installed."""
+    import fcntl
+
+    venv = venv or harness_venv()
+    python = venv_python(venv)
+    want = sha256_file(HARNESS_REQUIREMENTS)
+    stamp = venv / HARNESS_STAMP
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # Two runs of `make test` in one checkout: one makes it, the other waits and reuses it.
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if python.exists() and stamp.exists() and stamp.read_text().strip() == want:
+            return python
+        rel = HARNESS_REQUIREMENTS.relative_to(ROOT)
+        print(f"installing the harness tier's test tools ({rel}) into {venv}", flush=True)
+        if venv.exists():
+            shutil.rmtree(venv)  # made by an earlier run from another requirements file
+        run([sys.executable, "-m", "venv", str(venv)])
+        proc = run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "-r", str(HARNESS_REQUIREMENTS)], check=False)
+        if proc.returncode != 0:
+            raise SeriesError(
+                f"pip could not install {rel} into {venv}:\n{proc.stdout.strip()}",
+                f"check that this host reaches the package index (pip's own settings apply), "
+                f"then run the tests again; {venv} is made again then.")
+        stamp.write_text(want + "\n")  # last: an interrupted install is redone next time
+    return python
 
 
 def copy_kernels(venv: Path, dist: str, tree: Path) -> list[str]:

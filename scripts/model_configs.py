@@ -2,7 +2,7 @@
 
 Every config the project runs is shipped there, with its source in SOURCES.md: the tiny
 dummy-weight models of the CPU tests and the smoke run (scripts/tiny_model.py), the benchmark
-models (scripts/bench.py), the GPU tests and the offline hub cache of vLLM's own tests
+models (scripts/bench/bench.py), the GPU tests and the offline hub cache of vLLM's own tests
 (scripts/hf_cache.py). A model is named by its short name ("Qwen3-8B") or its hub id
 ("Qwen/Qwen3-8B"). KVSERIES_MODELS=<dir> (a directory of <name>/config.json) is looked at first,
 to run a model the project does not ship.

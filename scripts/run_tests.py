@@ -6,10 +6,13 @@
   python3 scripts/run_tests.py --tiers unit,engine   # chosen tiers
   python3 scripts/run_tests.py --gpu                 # a GPU host: each release's gpu_tiers
 
-For each release: `make apply`, `make install` (CPU kernels where the matrix says they install,
-else python-only), then the tiers with that release's virtualenv. Prints one table and a
-closing "N passed, N failed, N skipped" line summed over every pytest run (the lint tier
-counts one per check: passed when the series adds no finding).
+The harness tier runs with build/venv-harness (pytest and pytest-timeout from
+ci/requirements-harness.txt, made on first use with this Python and made again when that file
+changes): nothing needs to be installed beforehand. For each release: `make apply`,
+`make install` (CPU kernels where the matrix says they install, else python-only; its
+virtualenv gets ci/requirements-test.txt), then the tiers with that release's virtualenv.
+Prints one table and a closing "N passed, N failed, N skipped" line summed over every pytest
+run (the lint tier counts one per check: passed when the series adds no finding).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from buildtree import apply_series  # noqa: E402
 from hf_cache import offline_env  # noqa: E402
-from install import default_venv, detect_kernels, install  # noqa: E402
+from install import (  # noqa: E402
+    TEST_REQUIREMENTS, default_venv, detect_kernels, ensure_harness_venv, install,
+)
 from seriestool import ROOT, SeriesError, git_out, load_matrix, main_guard  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -264,7 +269,7 @@ def main() -> int:
     # Each release's setup runs in the background while the tests before it run.
     ahead = BackgroundSetup(todo[0], tiers_of(todo[0])) if len(todo) > 1 else None
     if any("harness" in tiers_of(r) for r in chosen):
-        pytest(sys.executable, ["--timeout=900", "tests/harness"], ROOT, "harness", results)
+        harness(results)
     for i, release in enumerate(todo):
         prepared, ahead = ahead, None
 
@@ -279,12 +284,32 @@ def main() -> int:
     return summarize(results, time.monotonic() - started)
 
 
+def harness(results: list) -> None:
+    """The harness's own tests, with the harness tier's virtualenv (made here if needed)."""
+    start = time.monotonic()
+    try:
+        python = ensure_harness_venv()
+    except SeriesError as e:
+        print(e.render(), file=sys.stderr)
+        results.append(("harness (test tools)", 1, {"passed": 0, "failed": 1, "skipped": 0},
+                        time.monotonic() - start))
+        return
+    pytest(str(python), ["--timeout=900", "tests/harness"], ROOT, "harness", results)
+
+
 def test_installed() -> int:
     """A host where vLLM is installed with the series laid over it (make overlay-install):
     tests/gpu, then the overlay's own upstream-layout tests, in a scratch `tests` package as
     they sit in vLLM's tree (they import `tests.v1...`)."""
     import shutil
 
+    if not _has_plugin("pytest"):
+        raise SeriesError(
+            f"make test-installed runs pytest with the Python that imports the installed vLLM "
+            f"({sys.executable}), and it has no pytest.",
+            f"install the test tools into it: {sys.executable} -m pip install -r "
+            f"{TEST_REQUIREMENTS.relative_to(ROOT)} (or PYTHON=<that Python> make "
+            "test-installed).")
     results: list = []
     timeout = ["--timeout=900"] if _has_plugin("pytest_timeout") else []
     pytest(sys.executable, [*timeout, "tests/gpu"], ROOT, "installed: tests/gpu", results)

@@ -136,11 +136,18 @@ def compare(stock: dict[str, str], patched: dict[str, str]) -> dict[str, list[st
     return result
 
 
+def unrunnable_reason(nodeid: str, unrunnable: dict[str, str]) -> str | None:
+    """The reason an entry gives for nodeid: exact id, a test's every parametrization
+    (`file::test` matches `file::test[...]`), a class or a whole file."""
+    for key, reason in unrunnable.items():
+        if nodeid == key or nodeid.startswith((key + "[", key + "::")):
+            return reason
+    return None
+
+
 def mark_unrunnable(outcomes: dict[str, str], unrunnable: dict[str, str]) -> dict[str, str]:
     """Outcomes with every test the curated list now names unrunnable marked so, whatever it
     did when recorded: a baseline recorded before an entry was added compares the same way."""
-    from upstream_plugin import unrunnable_reason
-
     return {n: "unrunnable" if unrunnable_reason(n, unrunnable) else o
             for n, o in outcomes.items()}
 

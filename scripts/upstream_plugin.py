@@ -16,6 +16,7 @@ import json
 import os
 
 import pytest
+from upstream_oracle import unrunnable_reason
 
 _outcomes: dict[str, str] = {}
 _messages: dict[str, str] = {}
@@ -27,15 +28,6 @@ def _emit(record: dict) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
-
-
-def unrunnable_reason(nodeid: str, unrunnable: dict[str, str]) -> str | None:
-    """The reason an entry gives for nodeid: exact id, a test's every parametrization
-    (`file::test` matches `file::test[...]`), a class or a whole file."""
-    for key, reason in unrunnable.items():
-        if nodeid == key or nodeid.startswith((key + "[", key + "::")):
-            return reason
-    return None
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+# The harness's shared helpers (tiny_model) and the benchmarks (bench_pd's CPU split).
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "bench")]
 # nixl_pd_node: the prefill/decode driver the CPU and the GPU P/D tests share.
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
 

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""scripts/bench_pd.py (the end-to-end TTFT of item 5) on CPU: a real prefill server and a
+"""scripts/bench/bench_pd.py (the end-to-end TTFT of item 5) on CPU: a real prefill server and a
 real decode server (`vllm serve`, NixlConnector, KV in host memory, UCX over the loopback),
 each request sent the way a disaggregating proxy sends it. The figures are for GPU hosts;
 this checks the flow: the decode server must answer from the prefill server's transfer
-params (the script fails otherwise), with VMM-backed KV on both."""
+params (the script fails otherwise), with VMM-backed KV on both. How the script ends when an
+instance dies, stalls or fails to start: tests/harness/test_bench_pd.py."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def test_bench_pd_ttft_on_cpu(tmp_path: Path):
 
     model = make_tiny_model(tmp_path / "tiny-llama", num_key_value_heads=4)
     out = tmp_path / "pd.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pd.py"), "--device",
-                           "cpu", "--backend", "vmm", "--model", str(model), "--json", str(out),
-                           "--requests", "2", "--prompt-len", "600", "--timeout", "400"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_pd.py"),
+                           "--device", "cpu", "--backend", "vmm", "--model", str(model),
+                           "--json", str(out), "--requests", "2", "--prompt-len", "600",
+                           "--timeout", "400"],
                           capture_output=True, text=True, timeout=900)
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("pd-*.log"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:] + logs

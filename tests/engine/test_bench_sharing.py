@@ -29,7 +29,7 @@ def test_bench_sharing_cpu(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(tmp_path / "ledger"))
     (tmp_path / "ledger").mkdir()
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--items",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"), "--items",
                            "sharing", "--device", "cpu", "--out", str(out)],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

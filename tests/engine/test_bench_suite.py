@@ -1,8 +1,12 @@
-"""The benchmark suite (scripts/bench.py) end to end on CPU: real vLLM engines (stock and VMM KV)
-on a tiny dummy-weight Llama, each in its own process, then the doc generator on the results.
+"""The benchmark suite (scripts/bench/bench.py) end to end on CPU: real vLLM engines (stock and
+VMM KV) on a tiny dummy-weight Llama, each in its own process, then the doc generator on the
+results.
 
 No timing is asserted (2 shared CPU cores); the test checks that every item either has numbers
 or says why it was not measured, and that the elasticity check used the engine's own figures.
+Marked slow (a dozen engine processes): CI runs the suite's logic in
+tests/harness/test_bench_suite.py (A/B pairs into figures, the report and the doc section,
+failing and stalled processes) and the engines' elasticity in test_vmm_kv_engine.py.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,12 +34,13 @@ def _finite(x) -> bool:
 def test_bench_quick_cpu(tmp_path: Path):
     out = tmp_path / "bench"
     # Item 7 (several servers) has a test of its own: test_bench_sharing.py.
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-                           "--device", "cpu", "--out", str(out), "--items", "1,2,3,4,5,6",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"),
+                           "--quick", "--device", "cpu", "--out", str(out), "--items",
+                           "1,2,3,4,5,6",
                            # The default headroom, given explicitly: the VMM side's own
                            # engine arguments reach its engines and the results.
                            "--vmm-args", json.dumps(VMM_ARGS)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     items = results["items"]
@@ -94,7 +99,7 @@ def test_bench_quick_cpu(tmp_path: Path):
     doc.parent.mkdir()
     doc.write_text("# Benchmarks\n\n## Page map (kept)\n\ntext\n")
     for _ in range(2):
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_report.py"),
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_report.py"),
                         str(out / "results.json"), "--doc", str(doc)], check=True, timeout=60)
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\n## Page map (kept)\n\ntext\n")

@@ -23,8 +23,8 @@ def test_bench_elasticity_and_pagemap_on_gpu(tmp_path: Path):
     if not hasattr(EngineArgs, "kv_cache_memory_backend"):
         pytest.skip("this vLLM tree does not carry the VMM-backed KV cache patch")
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-                           "--items", "elasticity,pagemap", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"),
+                           "--quick", "--items", "elasticity,pagemap", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     items = json.loads((out / "results.json").read_text())["items"]

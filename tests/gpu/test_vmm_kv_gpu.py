@@ -194,5 +194,5 @@ def test_vmm_openai_server_tensor_parallel_2(gpu_model: Path, executor: str, tmp
 
 
 # The throughput ratio VMM/stock on realistic configs is measured by `make bench`
-# (scripts/bench.py, item 1: interleaved A/B pairs, results in docs/BENCHMARKS.md), not
+# (scripts/bench/bench.py, item 1: interleaved A/B pairs, results in docs/BENCHMARKS.md), not
 # asserted here.

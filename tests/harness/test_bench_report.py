@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
 
 RUN1 = {"date": "d1", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
-        "command": "python3 scripts/bench.py", "gpu": "NVIDIA H100", "driver": "1.0",
+        "command": "python3 scripts/bench/bench.py", "gpu": "NVIDIA H100", "driver": "1.0",
         "device": "cuda"}
-RUN2 = {**RUN1, "date": "d2", "command": "python3 scripts/bench.py --items 5,6"}
+RUN2 = {**RUN1, "date": "d2", "command": "python3 scripts/bench/bench.py --items 5,6"}
 
 
 def _ab(a: list[float], b: list[float]) -> dict:

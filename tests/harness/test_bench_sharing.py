@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
 
 import bench_sharing as bs  # noqa: E402
 from bench_report import render_results  # noqa: E402
@@ -79,7 +79,7 @@ def _mode(mean: float, p99: float, tok_s: float, single: float, path=None) -> di
 
 def test_report_puts_the_modes_side_by_side():
     run = {"date": "d", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
-           "command": "python3 scripts/bench.py --items sharing", "gpu": "GPU",
+           "command": "python3 scripts/bench/bench.py --items sharing", "gpu": "GPU",
            "device": "cuda"}
     data = {"model": "Llama-3.1-8B-Instruct", "engines": 3, "run": run,
             "workload": {**PROF, "single_num": 32, "single_prompt_len": 512},
@@ -99,7 +99,7 @@ def test_report_puts_the_modes_side_by_side():
 
 def test_the_one_engine_busy_ttft_row_needs_it_in_every_measured_mode():
     run = {"date": "d", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
-           "command": "python3 scripts/bench.py --items sharing", "gpu": "GPU",
+           "command": "python3 scripts/bench/bench.py --items sharing", "gpu": "GPU",
            "device": "cuda"}
     modes = {"static": _mode(2000.0, 8000.0, 1000.0, 1500.0, "/stock"),
              "shared": _mode(400.0, 1500.0, 1200.0, 1470.0)}

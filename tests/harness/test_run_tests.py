@@ -1,11 +1,15 @@
 """scripts/run_tests.py's own plumbing: a release set up in the background while earlier tests
-run reports its output and its failure in order, and the summary's times."""
+run reports its output and its failure in order, the summary's times, and the harness tier's
+virtualenv (its pytest) made from ci/requirements-harness.txt."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -38,3 +42,38 @@ def test_summary_rows_carry_their_minutes(capsys):
     assert "3 passed, 0 failed, 1 skipped  (0.5 min)" in out
     assert "2 passed, 0 failed, 0 skipped  (10.0 min)" in out
     assert "total: 5 passed, 0 failed, 1 skipped in 10.5 min" in out
+
+
+def test_the_harness_tier_venv_is_made_once_per_requirements_file(tmp_path, monkeypatch, capsys):
+    import install
+    from seriestool import SeriesError
+
+    req = tmp_path / "ci" / "requirements-harness.txt"
+    req.parent.mkdir()
+    req.write_text("pip>=1  # in every virtualenv already: no download\n")
+    monkeypatch.setattr(install, "HARNESS_REQUIREMENTS", req)
+    monkeypatch.setattr(install, "ROOT", tmp_path)
+    venv = tmp_path / "build" / "venv-harness"
+    python = install.ensure_harness_venv(venv)
+    assert python == venv / "bin" / "python"
+    assert "installing the harness tier's test tools (ci/requirements-harness.txt)" in \
+        capsys.readouterr().out
+    prefix = subprocess.run([str(python), "-c", "import sys; print(sys.prefix)"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(prefix) == venv
+    made = (venv / "pyvenv.cfg").stat().st_mtime_ns
+    # The same requirements: reused as it is.
+    assert install.ensure_harness_venv(venv) == python
+    assert capsys.readouterr().out == ""
+    assert (venv / "pyvenv.cfg").stat().st_mtime_ns == made
+    # Changed requirements: made again from them; one pip cannot install is named, with the
+    # fix, and leaves no stamp (the next run makes it again).
+    (venv / "leftover").write_text("x")
+    req.write_text("pytest @ file:///nonexistent/pytest.whl\n")
+    with pytest.raises(SeriesError) as err:
+        install.ensure_harness_venv(venv)
+    assert "installing the harness tier's test tools" in capsys.readouterr().out
+    assert not (venv / "leftover").exists()
+    assert "pip could not install ci/requirements-harness.txt into" in err.value.problem
+    assert "package index" in err.value.fix
+    assert not (venv / install.HARNESS_STAMP).exists()

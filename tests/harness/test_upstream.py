@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import upstream_oracle as ut  # noqa: E402
 from install import dist_info_name, finder_source  # noqa: E402
-from upstream_plugin import unrunnable_reason  # noqa: E402
+from upstream_oracle import unrunnable_reason  # noqa: E402
 
 F = "tests/v1/core/test_kv_cache_utils.py"
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Benchmark suite, child side: one measurement in its own process (scripts/bench.py).
+"""Benchmark suite, child side: one measurement in its own process (scripts/bench/bench.py).
 
-  python scripts/bench_child.py SPEC.json OUT.json
+  python scripts/bench/bench_child.py SPEC.json OUT.json
 
 Runs the measurement SPEC.json names (``kind``: throughput, elasticity or probe) in a fresh
 process, so every engine starts from a clean device and interpreter, and writes its result to
@@ -16,6 +16,8 @@ import math
 import sys
 import time
 from pathlib import Path
+
+from bench_proc import fault
 
 #: Key of a workload's second run in the same engine (see child_throughput).
 REPEAT_SUFFIX = ", 2nd run"
@@ -221,6 +223,7 @@ def child_probe(spec: dict) -> dict:
 
 def child_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    fault(f"child:{spec['kind']}")
     result = {"throughput": child_throughput, "elasticity": child_elasticity,
               "probe": child_probe}[spec["kind"]](spec)
     Path(out_path).write_text(json.dumps(result))

@@ -30,10 +30,10 @@ loaded), then:
 
 TTFT is measured at the client: from sending a streamed completion to its first chunk.
 
-  python scripts/bench_sharing.py --mode shared --model <config dir> --json /tmp/shared.json
-  python scripts/bench_sharing.py --mode static --device cpu --model <dir> --json /tmp/s.json
+  python scripts/bench/bench_sharing.py --mode shared --model <config dir> --json /tmp/shared.json
+  python scripts/bench/bench_sharing.py --mode static --device cpu --model <dir> --json /tmp/s.json
 
-scripts/bench.py (item 7, ``sharing``) runs the three modes and compares them.
+scripts/bench/bench.py (item 7, ``sharing``) runs the three modes and compares them.
 """
 
 from __future__ import annotations

@@ -32,40 +32,64 @@ vmm/stock ratio and each mode's fraction of the link; ``--json`` writes
 them. On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
 picks cuda_ipc where it can)::
 
-    python scripts/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
+    python scripts/bench/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
 
 The shape of one prompt's read in the P/D TTFT item (Llama-3.1-8B, 4000 tokens: 250
 blocks x 32 layers x K and V, 32 KiB each), without the slow path between hosts::
 
-    python scripts/bench_nixl_vmm.py --kind cuda --block-bytes 32768 --num-blocks 32768 \
+    python scripts/bench/bench_nixl_vmm.py --kind cuda --block-bytes 32768 --num-blocks 32768 \
         --blocks-per-read 16000 --modes stock,vmm,vmm_batch,link
 
 On the host (DRAM over UCX loopback)::
 
-    UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo python scripts/bench_nixl_vmm.py --kind host
+    UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo python scripts/bench/bench_nixl_vmm.py --kind host
 
 Run with the patched vLLM tree on PYTHONPATH, or where vLLM is not installed
 (it then imports the package from ``vllm_overlay/``).
+
+Each mode runs in fresh processes, and every wait on them has a deadline
+(``--child-timeout-s``, the whole mode): when a process of a mode fails, dies
+or stalls, the run ends at once with the modes measured so far printed (and
+in ``--json``, with ``"error"``), then the failed mode, how its process ended
+and the last lines of its output; exit status 1.
 """
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
+import tempfile
 import time
+import traceback
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-try:
-    import vllm.v1.kv_vmm.nixl_segments  # noqa: F401
-except ModuleNotFoundError:
-    if "vllm" in sys.modules:
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_proc import describe_exit, die_with_parent, exit_on_signals, fault, tail  # noqa: E402
+
+VLLM_OVERLAY = Path(__file__).resolve().parents[2] / "vllm_overlay"
+if (__name__ in ("__main__", "__mp_main__") and str(VLLM_OVERLAY) not in sys.path
+        and importlib.util.find_spec("vllm") is None):
+    # No vLLM installed: the KV memory package from the overlay (a spawned process
+    # inherits this path).
+    sys.path.insert(0, str(VLLM_OVERLAY))
+
+
+def _import_kv_vmm() -> None:
+    """vllm.v1.kv_vmm.nixl_segments, or the reason the installed vLLM lacks it."""
+    try:
+        import vllm.v1.kv_vmm.nixl_segments  # noqa: F401
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "vllm":
+            raise
         raise SystemExit(
             "the installed vLLM has no vllm.v1.kv_vmm.nixl_segments: put the "
             "patched tree on PYTHONPATH, or run where vLLM is not installed"
         ) from None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_overlay"))
 
 
 def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
@@ -91,6 +115,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
         buf_ref = [buf]
         return buf.data_ptr(), mem_type, dev_id, agent, close_stock, None
 
+    _import_kv_vmm()
     from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
     from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
 
@@ -134,7 +159,17 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
             SegmentedXferAgent(agent, registry, same_host=same_host), close, same_host)
 
 
-def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
+def _recv(conn: Connection, timeout: float, what: str) -> Any:
+    """The other side's next message; it must come within ``timeout`` seconds (an ended
+    other side ends this one too: EOFError)."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no {what} in {timeout:g} s")
+    return conn.recv()
+
+
+def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> dict | None:
+    """One side of a mode: the owner lends its memory, the reader reads it and returns the
+    figures."""
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -153,16 +188,18 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
                                                              agent)
     blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
                        for b in range(args.num_blocks)], dtype=np.uint64)
+    timeout = args.child_timeout_s
     if role == "owner":
         # Only the reader needs the other side's table. (When both sent theirs before
         # receiving, a table of many blocks, more than a pipe holds, had each side wait
         # for the other for ever.)
         conn.send((agent.get_agent_metadata(), blocks))
-        assert conn.recv() == "done"
+        if _recv(conn, timeout, "word from the reader that it has read") != "done":
+            raise RuntimeError("the reader sent something else than 'done'")
         conn.send(None)
         close()
-        return
-    peer_meta, peer_blocks = conn.recv()
+        return None
+    peer_meta, peer_blocks = _recv(conn, timeout, "block table from the owner")
     peer = xfer.add_remote_agent(peer_meta)
     if same_host is not None and not same_host.connect(peer):
         raise SystemExit(f"{mode}: the same-host channel to {peer!r} did not open")
@@ -183,6 +220,7 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
         xfer.release_xfer_handle(handle)
         if i >= args.warmup:
             seconds.append(took)
+    fault(f"nixl_vmm:{mode}:reader:read")
     reads = 0
     if same_host is not None:
         from vllm.v1.kv_vmm.nixl_samehost import same_host_stats
@@ -194,10 +232,10 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Any) -> None:
         same_host.close()  # our mappings of the owner's chunks go before it unmaps them
     xfer.remove_remote_agent(peer)
     conn.send("done")
-    conn.recv()
+    _recv(conn, timeout, "word from the owner that the read is over")
     close()
-    conn.send(_result(args.blocks_per_read * args.block_bytes, seconds)
-              | {"same_host_reads": reads})
+    return _result(args.blocks_per_read * args.block_bytes, seconds) | {
+        "same_host_reads": reads}
 
 
 def _result(nbytes: int, seconds: list[float]) -> dict:
@@ -206,7 +244,7 @@ def _result(nbytes: int, seconds: list[float]) -> dict:
             "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3}
 
 
-def _link(args: argparse.Namespace, conn: Any) -> None:
+def _link(args: argparse.Namespace) -> dict:
     """One copy of a read's bytes out of the owner's device into the reader's."""
     nbytes = args.blocks_per_read * args.block_bytes
     if args.kind == "cuda":
@@ -232,30 +270,132 @@ def _link(args: argparse.Namespace, conn: Any) -> None:
         copy()
         if i >= args.warmup:
             seconds.append(time.perf_counter() - start)
-    conn.send(_result(nbytes, seconds))
+    return _result(nbytes, seconds)
 
 
-def _run(mode: str, args: argparse.Namespace) -> dict:
+def _child(mode: str, role: str, args: argparse.Namespace, peer: Connection | None,
+           report: Connection, log: str) -> None:
+    """A process of a mode: its output goes to ``log`` (the parent shows it), and its
+    outcome to ``report``: ("ok", result) or ("error", traceback). It dies with the parent."""
+    die_with_parent()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        fault(f"nixl_vmm:{mode}:{role}")
+        result = _link(args) if role == "link" else _side(role, args, mode, peer)
+    except BaseException:  # SystemExit included: its message is the error
+        traceback.print_exc()
+        sys.stderr.flush()
+        report.send(("error", traceback.format_exc()))
+        os._exit(1)
+    report.send(("ok", result))
+
+
+class ModeFailed(Exception):
+    """A process of a mode failed, died or ran past the deadline."""
+
+    def __init__(self, mode: str, what: str, logs: dict[str, Path]) -> None:
+        self.mode = mode
+        lines = [f"{mode}: {what}"]
+        for role, log in logs.items():
+            last = tail(log)
+            if last:
+                lines.append(f"--- last lines of the {role} process (mode {mode}):")
+                lines += [f"  {line}" for line in last]
+        super().__init__("\n".join(lines))
+
+
+def _processes(mode: str) -> tuple[str, ...]:
+    return ("link",) if mode == "link" else ("owner", "reader")
+
+
+def _run(mode: str, args: argparse.Namespace, logs_dir: Path) -> dict:
+    """A mode's processes, started afresh; the reader's (or link's) result. Every wait has
+    the deadline ``--child-timeout-s``; a process that fails, dies or is not done by then
+    ends the mode (ModeFailed) and the other processes of the mode are killed."""
     ctx = mp.get_context("spawn")
-    reader_end, owner_end = ctx.Pipe()
-    if mode == "link":
-        proc = ctx.Process(target=_link, args=(args, reader_end))
-        proc.start()
-        proc.join(timeout=600)
-        if proc.exitcode != 0:
-            raise SystemExit(f"link: exited with {proc.exitcode}")
-        return owner_end.recv()
-    procs = [ctx.Process(target=_side, args=("owner", args, mode, owner_end)),
-             ctx.Process(target=_side, args=("reader", args, mode, reader_end))]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    for p in procs:
-        if p.exitcode != 0:
-            raise SystemExit(f"{mode}: a side exited with {p.exitcode}")
-    # The reader's last message (its result) arrives after the owner has exited.
-    return owner_end.recv()
+    roles = _processes(mode)
+    owner_end, reader_end = ctx.Pipe() if len(roles) == 2 else (None, None)
+    peers = {"owner": owner_end, "reader": reader_end, "link": None}
+    logs = {role: logs_dir / f"{mode}-{role}.log" for role in roles}
+    procs, reports = {}, {}
+    for role in roles:
+        mine, theirs = ctx.Pipe(duplex=False)
+        procs[role] = ctx.Process(target=_child, daemon=True, name=f"{mode}-{role}",
+                                  args=(mode, role, args, peers[role], theirs,
+                                        str(logs[role])))
+        procs[role].start()
+        theirs.close()  # a child that dies closes the last write end: EOF here
+        reports[role] = mine
+    for end in (owner_end, reader_end):
+        if end is not None:
+            end.close()  # each side holds the only copy of its end: one's exit ends the other
+    deadline = time.monotonic() + args.child_timeout_s
+    results: dict[str, Any] = {}
+    try:
+        while len(results) < len(roles):
+            pending = [r for r in roles if r not in results]
+            ready = wait([reports[r] for r in pending] + [procs[r].sentinel for r in pending],
+                         timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise ModeFailed(mode, f"not done in {args.child_timeout_s:g} s "
+                                 f"(--child-timeout-s); still running: {', '.join(pending)}",
+                                 logs)
+            for role in pending:
+                # A process that exited has written all it sent: its report is read first.
+                if not reports[role].poll() and procs[role].sentinel not in ready:
+                    continue
+                try:
+                    kind, payload = reports[role].recv()
+                except EOFError:
+                    procs[role].join(timeout=5)
+                    raise ModeFailed(mode, f"the {role} process ended without a result "
+                                     f"({describe_exit(procs[role].exitcode)})", logs) from None
+                if kind == "error":
+                    raise ModeFailed(mode, f"the {role} process failed:\n{payload.rstrip()}",
+                                     {r: logs[r] for r in roles if r != role})
+                results[role] = payload
+        for proc in procs.values():
+            proc.join(timeout=30)  # done: each process tears its agent down and exits
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in reports.values():
+            conn.close()
+    for role in roles:
+        _show(mode, role, logs[role])
+    return results[roles[-1]]
+
+
+def _show(mode: str, role: str, log: Path) -> None:
+    """A finished process's output, if it wrote any, on our stderr."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for line in text.splitlines():
+        print(f"[{mode} {role}] {line}", file=sys.stderr)
+
+
+def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
+    """Lines for the modes measured (in this order); adds their fraction of the link and the
+    VMM/stock ratio to ``results`` where both are there."""
+    measured = [m for m in modes if m in results]
+    if "link" in results:
+        link = results["link"]["gb_per_s"]
+        results["of_link"] = {m: results[m]["gb_per_s"] / link for m in measured}
+    lines = []
+    for mode in measured:
+        r = results[mode]
+        of_link = (f"; {results['of_link'][mode]:.3f} of the link"
+                   if "of_link" in results else "")
+        lines.append(f"{mode:7s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
+                     f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read{of_link})")
+    if "vmm" in results and "stock" in results:
+        results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
+        lines.append(f"vmm/stock: {results['vmm_over_stock']:.3f}")
+    return lines
 
 
 MODES = ("stock", "vmm", "vmm_ucx", "link")
@@ -274,33 +414,47 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated modes to measure, in this order (default "
                         f"{','.join(MODES)})")
+    parser.add_argument("--child-timeout-s", type=float, default=600,
+                        help="seconds a mode's processes may take, start to result; a mode "
+                        "not done by then ends the run (default 600)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    exit_on_signals()  # SIGTERM: the modes measured are printed, the processes killed
     modes = [m for m in args.modes.split(",") if m]
     if unknown := sorted(set(modes) - set(MODES + OPTIONAL_MODES)):
         parser.error(f"unknown mode(s) {unknown}; choose from "
                      f"{', '.join(MODES + OPTIONAL_MODES)}")
+    if args.blocks_per_read > args.num_blocks:
+        parser.error(f"--blocks-per-read {args.blocks_per_read} is more than --num-blocks "
+                     f"{args.num_blocks}: a read takes distinct blocks")
+    if args.child_timeout_s <= 0:
+        parser.error("--child-timeout-s must be positive")
     if args.kind == "cuda":
         import torch
 
         if torch.cuda.device_count() < 2:
             raise SystemExit("--kind cuda needs two GPUs (owner cuda:1, reader cuda:0)")
-    results: dict[str, Any] = {mode: _run(mode, args) for mode in modes}
-    if "link" in results:
-        link = results["link"]["gb_per_s"]
-        results["of_link"] = {mode: results[mode]["gb_per_s"] / link for mode in modes}
+    results: dict[str, Any] = {}
+    failed: ModeFailed | None = None
+    with tempfile.TemporaryDirectory(prefix="bench-nixl-vmm-") as logs_dir:
+        for mode in modes:
+            try:
+                results[mode] = _run(mode, args, Path(logs_dir))
+            except ModeFailed as e:
+                failed = e
+                break
+    lines = summary(results, modes)
     results["config"] = vars(args) | {"json": str(args.json) if args.json else None}
-    for mode in modes:
-        r = results[mode]
-        of_link = (f"; {results['of_link'][mode]:.3f} of the link"
-                   if "of_link" in results else "")
-        print(f"{mode:7s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
-              f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read{of_link})")
-    if "vmm" in results and "stock" in results:
-        results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
-        print(f"vmm/stock: {results['vmm_over_stock']:.3f}")
+    if failed is not None:
+        results["error"] = {"mode": failed.mode, "message": str(failed)}
+        if lines:
+            lines.insert(0, "measured before the failure:")
+    print("\n".join(lines), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    if failed is not None:
+        print(f"\nerror: {failed}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

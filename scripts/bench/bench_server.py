@@ -15,6 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_proc import describe_exit, die_with_parent, tail  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -48,17 +51,17 @@ class Server:
             self.started = time.monotonic()
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                          env={**base_env, **(env or {})},
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def wait_healthy(self, timeout: float) -> dict:
-        """{"health_s": seconds from spawning to GET /health 200} or {"error": ...}."""
+        """{"health_s": seconds from spawning to GET /health 200} or {"error": ...}: how the
+        server ended (or that it was not healthy in time) and its log's last lines."""
         while time.monotonic() - self.started < timeout:
             if self.proc.poll() is not None:
-                return {"error": f"server exited {self.proc.returncode}, see "
-                                 f"logs/{self.log.name}"}
+                return {"error": self.failure("server ended")}
             try:
                 with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
                     if r.status == 200:
@@ -66,15 +69,29 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.25)
-        return {"error": f"no /health 200 within {timeout:.0f} s, see logs/{self.log.name}"}
+        return {"error": self.failure(f"no /health 200 within {timeout:g} s")}
+
+    def failure(self, what: str, lines: int = 5) -> str:
+        """One line: ``what``, whether the server still runs, its log's last lines."""
+        return (f"{what} ({describe_exit(self.proc.poll())}); log {self.log.name}: "
+                + " | ".join(tail(self.log, lines)))
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        """SIGTERM to the server's process group, SIGKILL after 60 s; also when the server
+        itself has ended (what it started may still run)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # nothing of it is left
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            pass
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def __enter__(self) -> Server:
         return self

@@ -13,7 +13,7 @@ VMM, the workers' page counters (pages mapped, seconds spent mapping). Bursts 2-
 ``never`` against stock isolate the access speed of VMM memory; ``idle`` against stock
 adds the map cost of every burst.
 
-    python scripts/bench_shrink.py <model dir with config.json> [--json out.json]
+    python scripts/bench/bench_shrink.py <model dir with config.json> [--json out.json]
 
 Runs on a GPU host with the patched vLLM importable (dummy weights, no tokenizer).
 """

@@ -20,8 +20,8 @@ min and max. Run it with the patched vLLM tree on PYTHONPATH, or, where vLLM
 is not installed, from a checkout of this repository (it then imports the
 package from ``vllm_overlay/``)::
 
-    python scripts/bench_vmm.py --backend host --json host.json
-    python scripts/bench_vmm.py --backend cuda --json cuda.json
+    python scripts/bench/bench_vmm.py --backend host --json host.json
+    python scripts/bench/bench_vmm.py --backend cuda --json cuda.json
 """
 
 import argparse
@@ -42,7 +42,7 @@ except ModuleNotFoundError:
             "the installed vLLM has no vllm.v1.kv_vmm: put the patched tree on "
             "PYTHONPATH, or run where vLLM is not installed"
         ) from None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_overlay"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "vllm_overlay"))
 
 import torch
 

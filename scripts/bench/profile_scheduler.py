@@ -11,7 +11,7 @@ time. The host is not a GPU host: driver calls cost what Linux mmap costs, but w
 scheduler does per step (block allocation, page accounting, device ledger reads) is the
 same Python.
 
-  VLLM_TARGET_DEVICE=cpu python scripts/profile_scheduler.py --mode shared
+  VLLM_TARGET_DEVICE=cpu python scripts/bench/profile_scheduler.py --mode shared
   ... --mode stock | vmm | shared   (shared: --kv-cache-vmm-shared, one engine on the ledger)
 """
 
@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tiny_model: the harness's shared helper, in scripts/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiny_model import make_tiny_model  # noqa: E402
 

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Benchmark suite, driver side: the A/B machinery and the items (scripts/bench.py).
+"""Benchmark suite, driver side: the A/B machinery and the items (scripts/bench/bench.py).
 
 Each item starts its engines in processes of their own (bench_child.py, `vllm serve` through
 bench_server.py, bench_vmm.py, bench_pd.py, bench_nixl_vmm.py), stock and VMM KV interleaved
-(ab_order), and keeps within the suite's time Budget.
+(ab_order), and keeps within the suite's time Budget. Every such process has a deadline and
+runs in a session of its own (bench_proc.run_logged): one that fails or runs past it is
+killed with all it started, and the item says "not measured" with how it ended and the last
+lines of its log; the Runner keeps the list (bench.py exits non-zero after the report).
 """
 
 from __future__ import annotations
@@ -12,16 +15,17 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+BENCH = Path(__file__).resolve().parent
+# The benchmarks' own modules, and the harness's shared helpers (tiny_model, model_configs).
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 from bench_child import REPEAT_SUFFIX  # noqa: E402
+from bench_proc import failure, run_logged  # noqa: E402
 from bench_report import IDLE_TTFT  # noqa: E402
 from bench_server import Server  # noqa: E402
 
@@ -29,9 +33,9 @@ from bench_server import Server  # noqa: E402
 # keeps the run short (the default keeps pages for bursts that follow closely).
 ELASTIC_SHRINK_DELAY_S = 1.0
 
-CHILD_SCRIPT = SCRIPTS / "bench_child.py"
-PD_SCRIPT = SCRIPTS / "bench_pd.py"
-NIXL_SCRIPT = SCRIPTS / "bench_nixl_vmm.py"
+CHILD_SCRIPT = BENCH / "bench_child.py"
+PD_SCRIPT = BENCH / "bench_pd.py"
+NIXL_SCRIPT = BENCH / "bench_nixl_vmm.py"
 
 
 class Budget:
@@ -52,11 +56,24 @@ class Runner:
         self.logs = out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.count = 0
+        #: "name: how it failed" of every benchmark process that failed or ran too long.
+        self.failures: list[str] = []
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                         # Worker page figures are read through collective_rpc with a function.
                         VLLM_ALLOW_INSECURE_SERIALIZATION="1", NCCL_NVLS_ENABLE="0")
         if device == "cuda":
             self.env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+    def run(self, name: str, cmd: list[str], log: Path, timeout: float) -> str | None:
+        """A benchmark script in its own session (see bench_proc.run_logged); None if it
+        succeeded, else how it failed (also printed and kept in ``failures``)."""
+        rc = run_logged(cmd, log, timeout, self.env)
+        if rc == 0:
+            return None
+        why = failure(rc, timeout, log)
+        self.failures.append(f"{name}: {why}")
+        print(f"  {name} failed: {why}", flush=True)
+        return why
 
     def child(self, name: str, spec: dict, timeout: float) -> dict:
         """Run one measurement in its own process; {"error": ...} if it fails."""
@@ -66,20 +83,16 @@ class Runner:
             spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
             spec_path.write_text(json.dumps(spec))
             t0 = time.monotonic()
-            with open(log, "w") as f:
-                try:
-                    rc = subprocess.run([sys.executable, str(CHILD_SCRIPT), str(spec_path),
-                                         str(out_path)], stdout=f, stderr=subprocess.STDOUT,
-                                        env=self.env, timeout=timeout).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
+            why = self.run(name, [sys.executable, str(CHILD_SCRIPT), str(spec_path),
+                                  str(out_path)], log, timeout)
             wall = time.monotonic() - t0
-            print(f"  {name}: {wall:.0f} s" + ("" if rc == 0 else f" (failed: {rc}, {log})"),
-                  flush=True)
-            if rc == 0 and out_path.exists():
-                return {**json.loads(out_path.read_text()), "wall_s": wall}
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        return {"error": f"exit {rc}; log {log.name}: " + " | ".join(tail)}
+            if why is None:
+                print(f"  {name}: {wall:.0f} s", flush=True)
+                if out_path.exists():
+                    return {**json.loads(out_path.read_text()), "wall_s": wall}
+                why = f"exit status 0 without a result; log {log.name}"
+                self.failures.append(f"{name}: {why}")
+        return {"error": why}
 
 
 def summarize(a: list[float], b: list[float]) -> dict:
@@ -228,15 +241,14 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
         js = out / f"pagemap_{i + 1}.json"
         log = runner.logs / f"pagemap_{i + 1}.log"
         print(f"pagemap: invocation {i + 1}", flush=True)
-        with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vmm.py"), "--backend",
-                                 p["backend"], "--pages", str(p["pages"]), "--repeats",
-                                 str(p["repeats"]), "--json", str(js)], stdout=f,
-                                stderr=subprocess.STDOUT, env=runner.env, timeout=300).returncode
-        data = json.loads(js.read_text()) if rc == 0 and js.exists() else {}
+        js.unlink(missing_ok=True)
+        why = runner.run(f"pagemap {i + 1}", [
+            sys.executable, str(BENCH / "bench_vmm.py"), "--backend", p["backend"], "--pages",
+            str(p["pages"]), "--repeats", str(p["repeats"]), "--json", str(js)], log, 300)
+        data = json.loads(js.read_text()) if why is None and js.exists() else {}
         stats = data.get("backends", {}).get(p["backend"])
         if not stats:
-            return {"not_measured": f"bench_vmm.py exit {rc}, see logs/{log.name}"}
+            return {"not_measured": f"bench_vmm.py: {why or 'no ' + p['backend'] + ' figures'}"}
         per_run.append({k: stats[k]["median_us"] for k in rows})
         if "overlap" in stats:
             overlaps.append(stats["overlap"])
@@ -275,12 +287,11 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
         js = out / f"nixl_transfer_{i}.json"
         log = runner.logs / f"nixl_transfer_{i}.log"
         print(f"pd: NIXL transfer {i + 1}/{prof['repeats']}", flush=True)
-        with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json",
-                                 str(js)], stdout=f, stderr=subprocess.STDOUT, env=runner.env,
-                                timeout=600).returncode
-        if rc != 0 or not js.exists():
-            return {"not_measured": f"{NIXL_SCRIPT.name} exit {rc}, see logs/{log.name}"}
+        js.unlink(missing_ok=True)
+        why = runner.run(f"pd: NIXL transfer {i + 1}", [
+            sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json", str(js)], log, 900)
+        if why is not None or not js.exists():
+            return {"not_measured": f"{NIXL_SCRIPT.name}: {why or 'no results'}"}
         r = json.loads(js.read_text())
         stock.append(r["stock"]["gb_per_s"])
         vmm.append(r["vmm"]["gb_per_s"])
@@ -292,7 +303,7 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
     result["transfer_gbps"]["of_link"] = {
         mode: spread([x / link for x, link in zip(values, extra["link"])])
         for mode, values in (("stock", stock), ("vmm", vmm), ("vmm_ucx", extra["vmm_ucx"]))}
-    # scripts/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
+    # scripts/bench/bench_pd.py: a prefill and a decode server on GPUs 0 and 1, median TTFT of
     # requests through both; one run per repetition, pairs while the budget allows.
     model = model_dir(prof["elastic"]["model"], out)
     runs: dict[str, list[float]] = {"default": [], "vmm": []}
@@ -303,15 +314,13 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
         js = out / f"pd_{backend}_{len(runs[backend])}.json"
         log = runner.logs / f"pd_{backend}_{len(runs[backend])}.log"
         print(f"pd: {backend}", flush=True)
-        with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, str(PD_SCRIPT), "--backend", backend, "--model",
-                                 model, "--json", str(js), "--logs", str(runner.logs),
-                                 "--vmm-args", json.dumps(prof.get("vmm_args", {}))],
-                                stdout=f, stderr=subprocess.STDOUT, env=runner.env,
-                                timeout=900).returncode
-        if rc != 0 or not js.exists():
-            result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name} exit {rc}, "
-                                                 f"see logs/{log.name}"}
+        js.unlink(missing_ok=True)
+        why = runner.run(f"pd: {backend}", [
+            sys.executable, str(PD_SCRIPT), "--backend", backend, "--model", model, "--json",
+            str(js), "--logs", str(runner.logs), "--vmm-args",
+            json.dumps(prof.get("vmm_args", {}))], log, 900)
+        if why is not None or not js.exists():
+            result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name}: {why or 'no results'}"}
             return result
         run = json.loads(js.read_text())
         runs[backend].append(run["ttft_ms"])
@@ -353,6 +362,8 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
         extra = prof.get("vmm_args", {}) if backend == "vmm" else {}
         r = serve_startup(runner, model, backend, tp, engine | extra, timeout=900)
         if "error" in r:
+            runner.failures.append(f"tp{tp}-startup: {backend}: {r['error']}")
+            print(f"  tp{tp}-startup {backend} failed: {r['error']}", flush=True)
             return {"not_measured": r["error"]}
         runs[backend].append(r["health_s"])
     n = min(len(runs["default"]), len(runs["vmm"]))
@@ -363,7 +374,7 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
 
 
 
-SHARING_SCRIPT = SCRIPTS / "bench_sharing.py"
+SHARING_SCRIPT = BENCH / "bench_sharing.py"
 SHARING_STATS = ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "peaks_output_tok_s",
                  "single_output_tok_s", "single_ttft_mean_ms")
 
@@ -383,7 +394,7 @@ def sharing_modes(text: str | None, device: str) -> list[str]:
 
 def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path: str | None,
                  kvcached_env: list[str], modes_text: str | None = None) -> dict:
-    """scripts/bench_sharing.py once per mode: N engines on one device behind their own
+    """scripts/bench/bench_sharing.py once per mode: N engines on one device behind their own
     servers; static split (stock), shared VMM KV (this series), kvcached (if installed)."""
     modes = sharing_modes(modes_text, device)
     sharing = prof["sharing"]
@@ -403,13 +414,9 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
             cmd += ["--set", f"{key}={json.dumps(value)}"]
         print(f"sharing: {mode}, {sharing['engines']} engines", flush=True)
         js.unlink(missing_ok=True)
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=runner.env,
-                                timeout=sharing["timeout_s"]).returncode
-        if rc != 0 or not js.exists():
-            tail = log.read_text().strip().splitlines()[-1:] or [""]
-            result["modes"][mode] = {"not_measured": f"exit {rc}: {tail[0][:200]} "
-                                                     f"(logs/{log.name})"}
+        why = runner.run(f"sharing: {mode}", cmd, log, sharing["timeout_s"])
+        if why is not None or not js.exists():
+            result["modes"][mode] = {"not_measured": (why or "no results")[:300]}
             continue
         r = json.loads(js.read_text())
         result["modes"][mode] = {k: r[k] for k in SHARING_STATS} | {

@@ -12,10 +12,15 @@ come back, to the decode instance, which reads the prompt's KV from the prefill 
 GPU over NIXL and produces the first token. TTFT is the wall time of both requests, one
 request at a time, after one untimed request (the NIXL handshake).
 
-Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json; scripts/bench.py
+Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json; scripts/bench/bench.py
 (item 5) runs it once per A/B repetition.
 
-  python scripts/bench_pd.py --backend vmm --model <config dir> --json /tmp/pd.json
+Every wait has the deadline --timeout: an instance's start (to /health 200) and each request.
+When an instance ends, fails a request or does not answer in time, the run ends at once with
+the requests measured so far, then which instance failed, how, whether it still runs and the
+last lines of its log; exit status 1, no --json.
+
+  python scripts/bench/bench_pd.py --backend vmm --model <config dir> --json /tmp/pd.json
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ import os
 import statistics
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_proc import TAIL_LINES, describe_exit, exit_on_signals, tail  # noqa: E402
 from bench_server import Server, _free_port  # noqa: E402
 
 # NixlConnector's prefill-side request fields, as a disaggregating proxy sends them.
@@ -39,11 +46,44 @@ PREFILL_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                            "remote_host": None, "remote_port": None}
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+class InstanceFailed(Exception):
+    """An instance ended, failed a request, or did not answer in time."""
+
+    def __init__(self, role: str, server: Server, what: str) -> None:
+        self.role, self.server = role, server
+        super().__init__(f"{role} instance: {what}")
+
+    def report(self) -> str:
+        """The error, whether the instance still runs, and its log's last lines."""
+        # A server that broke the connection is usually on its way out: give it a moment,
+        # so that the report says how it ended.
+        deadline = time.monotonic() + 2
+        while self.server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lines = [f"{self} ({describe_exit(self.server.proc.poll())})",
+                 f"--- last lines of {self.server.log}:"]
+        return "\n".join(lines + [f"  {line}" for line in tail(self.server.log, TAIL_LINES)])
+
+
+def _post(server: Server, role: str, body: dict, timeout: float) -> dict:
+    """POST /v1/completions to one instance; InstanceFailed if it is not running, or the
+    request fails or gets no answer within ``timeout`` seconds."""
+    if server.proc.poll() is not None:
+        raise InstanceFailed(role, server, "ended before the request")
+    req = urllib.request.Request(server.url("/v1/completions"), data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:500].decode(errors="replace")
+        raise InstanceFailed(role, server, f"HTTP {e.code}: {detail}") from None
+    except (TimeoutError, urllib.error.URLError) as e:
+        if not isinstance(e, TimeoutError) and not isinstance(e.reason, TimeoutError):
+            raise InstanceFailed(role, server, f"request failed: {e.reason!r}") from None
+        raise InstanceFailed(role, server, f"no answer in {timeout:g} s (--timeout)") from None
+    except (OSError, ValueError) as e:  # connection refused or reset, a reply not JSON
+        raise InstanceFailed(role, server, f"request failed: {e!r}") from None
 
 
 def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
@@ -53,17 +93,16 @@ def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
             "ignore_eos": True, "stream": False}
     t0 = time.perf_counter()
-    done = _post(prefill.url("/v1/completions"),
-                 {**body, "kv_transfer_params": PREFILL_TRANSFER_PARAMS}, timeout)
+    done = _post(prefill, "prefill", {**body, "kv_transfer_params": PREFILL_TRANSFER_PARAMS},
+                 timeout)
     prefill_s = time.perf_counter() - t0
     params = done.get("kv_transfer_params")
     if not params:
-        raise RuntimeError(f"the prefill instance returned no kv_transfer_params: {done}")
-    out = _post(decode.url("/v1/completions"), {**body, "kv_transfer_params": params},
-                timeout)
+        raise InstanceFailed("prefill", prefill, f"returned no kv_transfer_params: {done}")
+    out = _post(decode, "decode", {**body, "kv_transfer_params": params}, timeout)
     seconds = time.perf_counter() - t0
-    if out["usage"]["completion_tokens"] != 1:
-        raise RuntimeError(f"the decode instance answered {out['usage']}")
+    if out.get("usage", {}).get("completion_tokens") != 1:
+        raise InstanceFailed("decode", decode, f"answered {out.get('usage', out)}")
     return seconds, prefill_s
 
 
@@ -123,11 +162,14 @@ def main() -> None:
     p.add_argument("--vmm-args", metavar="JSON", default="{}",
                    help="engine arguments of both instances with --backend vmm")
     p.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --json)")
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds an instance may take to start, and to answer each request "
+                   "(default 600)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: both instances on this host's CPUs, KV in host memory "
                    "(checks the flow; the figures are for GPUs)")
     args = p.parse_args()
+    exit_on_signals()  # SIGTERM: the servers are stopped on the way out
 
     logs = args.logs or args.json.parent
     logs.mkdir(parents=True, exist_ok=True)
@@ -141,7 +183,9 @@ def main() -> None:
     if args.backend == "vmm":
         engine |= json.loads(args.vmm_args)
     base_env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    servers = {}
+    servers: dict[str, Server] = {}
+    runs: list[float] = []
+    prefill_runs: list[float] = []
     try:
         # One instance after the other: a port picked as free for one instance's NIXL side
         # channel could otherwise be taken by the other instance's own sockets before the
@@ -154,9 +198,10 @@ def main() -> None:
                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
             health = server.wait_healthy(args.timeout)
             if "error" in health:
-                raise SystemExit(f"{role} instance: {health['error']}")
+                raise InstanceFailed(role, server, "ended while starting"
+                                     if server.proc.poll() is not None else
+                                     f"not healthy in {args.timeout:g} s (--timeout)")
         prefill, decode = servers["prefill"], servers["decode"]
-        runs, prefill_runs = [], []
         for i in range(args.requests + 1):
             prompt = [(7919 * i + 13 * j) % 3000 + 100 for j in range(args.prompt_len)]
             seconds, prefill_s = first_token(prefill, decode, args.model, prompt,
@@ -166,6 +211,13 @@ def main() -> None:
                 prefill_runs.append(prefill_s * 1000)
             print(f"request {i}: {seconds * 1000:.1f} ms (prefill instance "
                   f"{prefill_s * 1000:.1f} ms)", flush=True)
+    except InstanceFailed as e:
+        if runs:
+            print(f"measured before the failure: {len(runs)} timed request(s), TTFT median "
+                  f"{statistics.median(runs):.1f} ms (runs: "
+                  f"{', '.join(f'{ms:.1f}' for ms in runs)})", flush=True)
+        print(f"error: {e.report()}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         for server in servers.values():
             server.stop()

@@ -1,0 +1,108 @@
+"""scripts/bench/bench_nixl_vmm.py ends at once when a process of a mode fails, dies or stalls:
+the modes measured before it are printed (and written to --json), then the failed mode, how
+its process ended and the last lines of its output; exit status 1. And its report without
+NIXL: each mode's GB/s, its fraction of the link and the VMM/stock ratio.
+
+Real runs of the script with real child processes; the failure is injected where the child
+starts (KVSERIES_BENCH_FAULT, scripts/bench/bench_proc.py), before it imports NIXL, so no
+NIXL or vLLM is needed: the `link` mode (one host memmove per read) is the mode measured
+before the failure. tests/engine/test_bench_nixl_vmm.py fails a real NIXL read's process,
+and runs every mode on real NIXL agents (marked slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from own_session import run_in_own_session
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
+
+import bench_nixl_vmm  # noqa: E402
+
+SCRIPT = ROOT / "scripts" / "bench" / "bench_nixl_vmm.py"
+SMALL = ["--kind", "host", "--block-bytes", "1024", "--num-blocks", "64", "--blocks-per-read",
+         "16", "--warmup", "1", "--iters", "3"]
+
+
+def run(tmp_path: Path, fault: str, *args: str, limit: float = 60):
+    """The script with a fault injected; (finished process, seconds it took, --json data)."""
+    out = tmp_path / "nixl.json"
+    env = {**os.environ, "KVSERIES_BENCH_FAULT": fault}
+    start = time.monotonic()
+    done = run_in_own_session([sys.executable, str(SCRIPT), *SMALL, "--json", str(out), *args],
+                              env=env, timeout=limit, what="bench_nixl_vmm.py")
+    return done, time.monotonic() - start, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_an_exception_in_a_mode_ends_the_run_with_it_after_the_earlier_modes(tmp_path):
+    done, seconds, data = run(tmp_path, "nixl_vmm:stock=raise", "--modes", "link,stock,vmm")
+    assert done.returncode == 1, done.stdout
+    assert seconds < 30
+    out = done.stdout
+    # The mode measured before, then the failed mode with its process's traceback.
+    assert "measured before the failure:" in out
+    assert out.index("link   :") < out.index("error: stock: the ")
+    assert "RuntimeError: fault injected at nixl_vmm:stock:" in out
+    assert data["link"]["gb_per_s"] > 0 and "stock" not in data and "vmm" not in data
+    assert data["error"]["mode"] == "stock"
+    assert "fault injected at nixl_vmm:stock:" in data["error"]["message"]
+
+
+def test_a_stalled_mode_ends_at_the_deadline_with_each_process_output(tmp_path):
+    done, seconds, data = run(tmp_path, "nixl_vmm:stock=stall", "--modes", "link,stock",
+                              "--child-timeout-s", "2")
+    assert done.returncode == 1, done.stdout
+    # 2 s for the mode, plus starting the processes and killing them (2 shared CPUs).
+    assert seconds < 30
+    out = done.stdout
+    assert "link   :" in out
+    assert "error: stock: not done in 2 s (--child-timeout-s); still running: owner, reader" in out
+    for role in ("owner", "reader"):
+        assert f"--- last lines of the {role} process (mode stock):" in out
+        assert f"KVSERIES_BENCH_FAULT: stall at nixl_vmm:stock:{role}" in out
+    assert data["error"]["mode"] == "stock" and data["link"]["gb_per_s"] > 0
+
+
+def test_a_process_that_dies_ends_the_mode_without_waiting_for_the_other(tmp_path):
+    # The reader dies without a word while the owner waits for it (the owner would wait
+    # until the deadline of 600 s): its death ends the mode.
+    done, seconds, _ = run(tmp_path, "nixl_vmm:stock:reader=exit,nixl_vmm:stock:owner=stall",
+                           "--modes", "link,stock")
+    assert done.returncode == 1, done.stdout
+    assert seconds < 30
+    assert ("error: stock: the reader process ended without a result (exit status 3)"
+            in done.stdout)
+    assert "KVSERIES_BENCH_FAULT: exit at nixl_vmm:stock:reader" in done.stdout
+
+
+def test_a_read_larger_than_the_memory_is_refused_before_anything_starts(tmp_path):
+    done = run_in_own_session([sys.executable, str(SCRIPT), "--kind", "host", "--num-blocks",
+                               "8", "--blocks-per-read", "16"], env=dict(os.environ),
+                              timeout=60, what="bench_nixl_vmm.py")
+    assert done.returncode == 2
+    assert "--blocks-per-read 16 is more than --num-blocks 8" in done.stdout
+
+
+def test_the_summary_gives_each_mode_measured_as_a_fraction_of_the_link():
+    def r(gbps: float) -> dict:
+        return {"gb_per_s": gbps, "median_ms": 1.0, "min_ms": 0.5, "max_ms": 2.0}
+
+    results = {"stock": r(10.0), "vmm": r(40.0), "link": r(50.0)}
+    lines = bench_nixl_vmm.summary(results, ["stock", "vmm", "vmm_ucx", "link"])
+    assert results["of_link"] == {"stock": 0.2, "vmm": 0.8, "link": 1.0}
+    assert results["vmm_over_stock"] == pytest.approx(4.0)
+    assert lines[0].startswith("stock  :    10.00 GB/s") and "0.200 of the link" in lines[0]
+    assert [line.split(":")[0].strip() for line in lines] == ["stock", "vmm", "link",
+                                                              "vmm/stock"]
+    # Without the link (or without stock) there is nothing to divide by.
+    partial = {"vmm": r(40.0)}
+    assert bench_nixl_vmm.summary(partial, ["stock", "vmm"]) == [
+        "vmm    :    40.00 GB/s  (median 1.00 ms, min 0.50, max 2.00 per read)"]
+    assert "of_link" not in partial and "vmm_over_stock" not in partial

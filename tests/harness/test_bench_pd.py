@@ -1,0 +1,127 @@
+"""scripts/bench/bench_pd.py ends at once when an instance fails: the requests measured before
+are printed, then which instance failed, how, whether it still runs and its log's last lines;
+exit status 1.
+
+The instances here are a stand-in for `vllm serve` (a small HTTP server answering /health
+and /v1/completions the way the P/D flow expects, as `vllm.entrypoints.openai.api_server` on
+PYTHONPATH and KVSERIES_VLLM_TREE): a real server cannot be made to die or stall at a
+chosen request, and needs the engine tier (tests/engine/test_bench_pd.py runs the flow with
+real servers, marked slow). bench_pd.py itself, its server processes and HTTP are real.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from own_session import run_in_own_session
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench" / "bench_pd.py"
+
+# What FAKE_SERVE says, per role: "start-fail", "die-at:N" or "stall-at:N" (at the N-th
+# completion request, counting from 0), else it answers. The role is in its log's name.
+STAND_IN = r'''
+import http.server, json, os, sys, time
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+role = "prefill" if "prefill" in os.path.basename(os.readlink("/proc/self/fd/1")) else "decode"
+plan = dict(e.split("=", 1) for e in os.environ.get("FAKE_SERVE", "").split(",") if e)
+action = plan.get(role, "")
+print(f"stand-in {role} server on port {port}: {action or 'answers'}", flush=True)
+if action == "start-fail":
+    print("RuntimeError: Engine core initialization failed (stand-in)", flush=True)
+    sys.exit(1)
+count = 0
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({})
+
+    def do_POST(self):
+        global count
+        self.rfile.read(int(self.headers["Content-Length"]))
+        n, count = count, count + 1
+        if action == f"die-at:{n}":
+            print(f"request {n}: the {role} engine core died (stand-in)", flush=True)
+            os._exit(3)
+        if action == f"stall-at:{n}":
+            print(f"request {n}: the {role} engine stalls (stand-in)", flush=True)
+            time.sleep(3600)
+        params = {"remote_block_ids": [1]} if role == "prefill" else None
+        self.reply({"kv_transfer_params": params, "usage": {"completion_tokens": 1}})
+
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def run_pd(tmp_path: Path, plan: str, limit: float = 90):
+    stand_in = tmp_path / "stand-in"
+    server = stand_in / "vllm" / "entrypoints" / "openai"
+    server.mkdir(parents=True)
+    for pkg in (stand_in / "vllm", stand_in / "vllm" / "entrypoints", server):
+        (pkg / "__init__.py").write_text("")
+    (server / "api_server.py").write_text(STAND_IN)
+    env = {**os.environ, "PYTHONPATH": str(stand_in), "KVSERIES_VLLM_TREE": str(stand_in),
+           "FAKE_SERVE": plan}
+    out = tmp_path / "pd.json"
+    start = time.monotonic()
+    done = run_in_own_session(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--backend", "vmm", "--model",
+         str(tmp_path), "--json", str(out), "--requests", "4", "--prompt-len", "8",
+         "--timeout", "5"], env=env, timeout=limit, what="bench_pd.py")
+    return done, time.monotonic() - start, out
+
+
+def test_the_flow_with_instances_that_answer(tmp_path):
+    done, _, out = run_pd(tmp_path, "")
+    assert done.returncode == 0, done.stdout
+    assert out.exists() and "request 4:" in done.stdout
+
+
+def test_an_instance_that_dies_ends_the_run_with_its_log(tmp_path):
+    # Request 0 is the untimed first one; 1 and 2 are measured; the decode instance dies at 3.
+    done, seconds, out = run_pd(tmp_path, "decode=die-at:3")
+    assert done.returncode == 1, done.stdout
+    assert seconds < 30
+    text = done.stdout
+    assert "\nrequest 2: " in text and "\nrequest 3: " not in text
+    assert "measured before the failure: 2 timed request(s), TTFT median" in text
+    assert "error: decode instance: request failed:" in text
+    assert "(exit status 3)" in text
+    assert "pd-vmm-decode.log:" in text
+    assert "request 3: the decode engine core died (stand-in)" in text
+    assert not out.exists()
+
+
+def test_an_instance_that_stalls_ends_the_run_at_the_deadline(tmp_path):
+    done, seconds, _ = run_pd(tmp_path, "prefill=stall-at:1")
+    assert done.returncode == 1, done.stdout
+    assert seconds < 40  # --timeout 5 for the request, the instances' start and stop
+    text = done.stdout
+    assert "request 0:" in text and "measured before the failure" not in text
+    assert "error: prefill instance: no answer in 5 s (--timeout) (still running)" in text
+    assert "request 1: the prefill engine stalls (stand-in)" in text
+
+
+def test_an_instance_that_fails_to_start_ends_the_run_with_its_log(tmp_path):
+    done, seconds, _ = run_pd(tmp_path, "decode=start-fail")
+    assert done.returncode == 1, done.stdout
+    assert seconds < 30
+    assert "error: decode instance: ended while starting (exit status 1)" in done.stdout
+    assert "RuntimeError: Engine core initialization failed (stand-in)" in done.stdout
