@@ -226,6 +226,11 @@ def git_env(dated: bool = True) -> dict[str, str]:
     # User/system config (format.*, diff.*, am.*) must not change what the harness produces.
     env["GIT_CONFIG_GLOBAL"] = os.devnull
     env["GIT_CONFIG_NOSYSTEM"] = "1"
+    # No automatic gc or maintenance: a `git gc --auto` that a commit or `git am` detaches would
+    # still run in the tree when the next harness step starts, which then (rightly) waits for it.
+    env.update({"GIT_CONFIG_COUNT": "2",
+                "GIT_CONFIG_KEY_0": "gc.auto", "GIT_CONFIG_VALUE_0": "0",
+                "GIT_CONFIG_KEY_1": "maintenance.auto", "GIT_CONFIG_VALUE_1": "false"})
     if dated:
         env["GIT_AUTHOR_DATE"] = FIXED_DATE
         env["GIT_COMMITTER_DATE"] = FIXED_DATE

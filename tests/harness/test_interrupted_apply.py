@@ -409,3 +409,29 @@ def test_a_second_apply_of_the_same_tree_refuses_at_once_naming_the_first(
     os.killpg(first.pid, signal.SIGKILL)
     first.communicate(timeout=WAIT_S)
     expect_finished(project, two_patches)
+
+
+def test_the_harness_git_starts_no_automatic_gc(tmp_path: Path):
+    """A `git gc --auto` that a harness commit detaches would still run when the next step
+    starts, which then refuses (a git works in the tree). The harness's git runs none."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from seriestool import git
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    git(tree, "init", "-q")
+    # As eager as gc can be, and in the foreground, so that a gc shows at once as a pack.
+    git(tree, "config", "gc.auto", "1")
+    git(tree, "config", "gc.autoDetach", "false")
+    # gc --auto estimates the loose objects from objects/17/: put three there.
+    found, n = [], 0
+    while len(found) < 3:
+        data = f"{n}\n".encode()
+        if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest().startswith("17"):
+            found.append(data)
+        n += 1
+    for i, data in enumerate(found):
+        (tree / f"f{i}").write_bytes(data)
+        git(tree, "add", f"f{i}")
+        git(tree, "commit", "-q", "--no-verify", "-m", f"c{i}")
+    assert not list((tree / ".git" / "objects" / "pack").glob("*.pack"))
