@@ -428,7 +428,7 @@ def make_kv_page_policy(
 
 
 def kv_ledger_options(
-    options: "CacheConfig",
+    options: Any,
     rank_page_bytes: Sequence[int],
     device_keys: Sequence[str] | None,
 ) -> KVLedgerOptions | None:
@@ -501,7 +501,7 @@ def set_kv_page_policy(
         status = create_page_status(
             num_pages,
             tag=f"{id(policy):x}",
-            group=cache_config.kv_cache_vmm_shared_group,
+            group=_vmm_options(cache_config).kv_cache_vmm_shared_group,
         )
         policy.page_status_path = status.path
         status.close()
