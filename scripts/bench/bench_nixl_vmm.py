@@ -80,21 +80,21 @@ if (__name__ in ("__main__", "__mp_main__") and str(VLLM_OVERLAY) not in sys.pat
 
 
 def _import_kv_vmm() -> None:
-    """vllm.v1.kv_vmm.nixl_segments, or the reason the installed vLLM lacks it."""
+    """NixlConnector's VMM package, or the reason the installed vLLM lacks it."""
     try:
-        import vllm.v1.kv_vmm.nixl_segments  # noqa: F401
+        import vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent  # noqa: F401
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "vllm":
             raise
         raise SystemExit(
-            "the installed vLLM has no vllm.v1.kv_vmm.nixl_segments: put the "
+            "the installed vLLM has no NixlConnector VMM package (nixl/vmm): put the "
             "patched tree on PYTHONPATH, or run where vLLM is not installed"
         ) from None
 
 
 def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
     """(base address, NIXL memory type, device id, wrapped agent, closer,
-    the same-host reads or None)."""
+    the same-host reads or None, the same-host secret)."""
     import torch
 
     if kind == "cuda":
@@ -113,11 +113,16 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
             del buf_ref[:]  # the allocation lives until its registration is gone
 
         buf_ref = [buf]
-        return buf.data_ptr(), mem_type, dev_id, agent, close_stock, None
+        return buf.data_ptr(), mem_type, dev_id, agent, close_stock, None, b""
 
     _import_kv_vmm()
     from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
-    from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry, SegmentedXferAgent
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
+        SegmentedXferAgent,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
+        NixlSegmentRegistry,
+    )
 
     if kind == "cuda":
         from vllm.v1.kv_vmm.cuda import CudaVmmBackend
@@ -129,19 +134,27 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
                               num_blocks=1, granularity=backend.granularity)
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
     exporter = same_host = None
+    secret = b""
     if mode in ("vmm", "vmm_batch"):
         # As NixlVmmWorker does: shared before the NIXL registry is attached.
-        from vllm.v1.kv_vmm.nixl_samehost import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
+            new_secret,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
+            copier_for,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
             ChunkExporter,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
             SameHostReads,
-            channel_address,
-            chunk_memory_for,
         )
 
-        exporter = ChunkExporter(channel_address(agent.name))
+        secret = new_secret()
+        exporter = ChunkExporter(agent.name, secret)
         exporter.attach(table)
-        same_host = SameHostReads(chunk_memory_for(backend, copy_kernel=mode == "vmm"),
-                                  name=agent.name)
+        same_host = SameHostReads(
+            backend, copier_for(backend, copy_kernel=mode == "vmm"), agent.name)
     registry = NixlSegmentRegistry(agent, mem_type, dev_id)
     registry.attach(table)
     table.map_pages(range(geometry.num_pages))
@@ -156,7 +169,8 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
         backend.close()
 
     return (table.tensors[0].data_ptr(), mem_type, dev_id,
-            SegmentedXferAgent(agent, registry, same_host=same_host), close, same_host)
+            SegmentedXferAgent(agent, registry, same_host=same_host), close, same_host,
+            secret)
 
 
 def _recv(conn: Connection, timeout: float, what: str) -> Any:
@@ -184,8 +198,8 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
         torch.cuda.init()
         torch.empty(1, device=f"cuda:{device}")
     agent = nixl_agent(f"{role}-{mode}", nixl_agent_config(backends=["UCX"]))
-    base, mem_type, dev_id, xfer, close, same_host = _memory(mode, args.kind, device, nbytes,
-                                                             agent)
+    base, mem_type, dev_id, xfer, close, same_host, secret = _memory(
+        mode, args.kind, device, nbytes, agent)
     blocks = np.array([(base + b * args.block_bytes, args.block_bytes, dev_id)
                        for b in range(args.num_blocks)], dtype=np.uint64)
     timeout = args.child_timeout_s
@@ -193,15 +207,15 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
         # Only the reader needs the other side's table. (When both sent theirs before
         # receiving, a table of many blocks, more than a pipe holds, had each side wait
         # for the other for ever.)
-        conn.send((agent.get_agent_metadata(), blocks))
+        conn.send((agent.get_agent_metadata(), blocks, secret))
         if _recv(conn, timeout, "word from the reader that it has read") != "done":
             raise RuntimeError("the reader sent something else than 'done'")
         conn.send(None)
         close()
         return None
-    peer_meta, peer_blocks = _recv(conn, timeout, "block table from the owner")
+    peer_meta, peer_blocks, peer_secret = _recv(conn, timeout, "block table from the owner")
     peer = xfer.add_remote_agent(peer_meta)
-    if same_host is not None and not same_host.connect(peer):
+    if same_host is not None and not same_host.offer(peer, peer_secret):
         raise SystemExit(f"{mode}: the same-host channel to {peer!r} did not open")
     local = xfer.prep_xfer_dlist("NIXL_INIT_AGENT", xfer.get_xfer_descs(blocks, mem_type))
     remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
@@ -223,7 +237,9 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     fault(f"nixl_vmm:{mode}:reader:read")
     reads = 0
     if same_host is not None:
-        from vllm.v1.kv_vmm.nixl_samehost import same_host_stats
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
+            same_host_stats,
+        )
 
         reads = same_host_stats()["reads"]
         if reads != args.warmup + args.iters:

@@ -48,7 +48,9 @@ def _worker_stats(worker) -> dict:
     mapper = getattr(worker.model_runner, "kv_page_mapper", None)
     stats = {} if mapper is None else {**mapper.stats(), "page_bytes": mapper.page_bytes}
     try:
-        from vllm.v1.kv_vmm.nixl_samehost import same_host_stats
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
+            same_host_stats,
+        )
     except ImportError:  # a vLLM without the same-host path
         return stats
     # Reads of VMM-backed peers' KV on this host done as local copies (this worker).

@@ -112,6 +112,7 @@ def test_disaggregated_vmm_kv_matches_single_instance(pd_model, reference, tmp_p
     # Same host: the prefill instance shared its chunks, and every prompt's KV came as
     # local copies out of them, none through UCX and none failed.
     _check_same_host(decode, tmp_path)
+    assert decode["nixl"][-1].get("vllm:nixl_num_same_host_fallbacks", 0) == 0
     # The prefill instance mapped pages while prefilling the second wave: the requests
     # it finished then tell the decode instance that its registrations changed.
     second = json.loads((tmp_path / "params1.json").read_text())
@@ -147,7 +148,9 @@ def test_disaggregated_stock_prefill_vmm_decode_reads_through_ucx(pd_model, refe
     same_host, why = node.same_host_reads(decode, tmp_path)
     assert same_host["channels"] == 0 and same_host["reads"] == 0, f"{same_host}\n{why}"
     log = (tmp_path / "decode.log").read_text()
-    assert "go through NIXL/UCX: no same-host channel" in log
+    assert "go through NIXL/UCX (unshared): no same-host channel" in log
+    # Counted in the connector's metrics, by reason.
+    assert decode["nixl"][-1].get("vllm:nixl_num_same_host_fallbacks", 0) >= 1
 
 
 def test_disaggregated_vmm_prefill_stock_decode_reads_through_shared_memory(pd_model, reference,

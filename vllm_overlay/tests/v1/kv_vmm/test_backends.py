@@ -65,7 +65,6 @@ def test_cuda_allocations_exportable():
         backend.release(handle)
         backend.close()
         pytest.skip("the device cannot export allocations as POSIX fds")
-    drv = backend._drv
     va = backend.reserve(g)
     backend.map(va, g, handle)
     backend.set_access(va, g)
@@ -74,28 +73,17 @@ def test_cuda_allocations_exportable():
     backend.synchronize()
     # What a peer does with the fd: import it and map it at its own address.
     # It must be the same physical memory, so it reads what was written above.
-    fd = backend.export_fd(handle)
+    fd, offset = backend.export_chunk(handle)
     try:
-        imported = backend._check(
-            drv.cuMemImportFromShareableHandle(
-                fd,
-                drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            ),
-            "cuMemImportFromShareableHandle",
-        )
+        imported = backend.import_chunk(fd, offset, g)
     finally:
         os.close(fd)
-    va2 = backend.reserve(g)
     try:
-        backend.map(va2, g, imported)
-        backend.set_access(va2, g)
-        seen = backend.tensor(va2, g).to(torch.int64)
+        seen = backend.tensor(imported.addr, g).to(torch.int64)
         assert torch.equal(seen, pattern)
         backend.synchronize()
-        backend.unmap(va2, g)
     finally:
-        backend._check(drv.cuMemRelease(imported), "cuMemRelease")
-        backend.free_reservation(va2, g)
+        backend.unmap_import(imported)
     backend.close()
 
 
@@ -148,3 +136,121 @@ def test_cuda_backend_names_the_failing_driver_call(monkeypatch):
     with pytest.raises(VmmError, match="cuDevicePrimaryCtxRetain failed on cuda:0"):
         cuda.CudaVmmBackend("cuda:0")
     drv.cuCtxSetCurrent.assert_not_called()
+
+
+def test_host_chunks_are_exported_and_imported_read_only():
+    """A peer maps an exported extent (here this process itself): it sees
+    the owner's bytes; an extent past the file's end or off a page is
+    refused with the reason, never mapped to fault later."""
+    backend = HostVmmBackend()
+    g = backend.granularity
+    handle = backend.create(g)
+    va = backend.reserve(g)
+    backend.map(va, g, handle)
+    backend.set_access(va, g)
+    backend.tensor(va, g).fill_(7)
+    fd, offset = backend.export_chunk(handle)
+    try:
+        chunk = backend.import_chunk(fd, offset, g)
+        assert bool((backend.tensor(chunk.addr, g) == 7).all())
+        backend.unmap_import(chunk)
+        with pytest.raises(VmmError, match="ends past its file"):
+            backend.import_chunk(fd, offset + g, g)
+        with pytest.raises(VmmError, match="page-aligned"):
+            backend.import_chunk(fd, 1, g)
+    finally:
+        os.close(fd)
+    backend.unmap(va, g)
+    backend.free_reservation(va, g)
+    backend.release(handle)
+    with pytest.raises(VmmError, match="no allocation"):
+        backend.export_chunk(handle)
+    assert backend.copy_stream() is None
+    backend.close()
+
+
+def _fake_import_driver() -> mock.MagicMock:
+    drv = _fake_driver(0)
+    for call in ("cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"):
+        getattr(drv, call).return_value = (0,)
+    drv.cuMemAddressFree.return_value = (0,)
+    drv.cuMemImportFromShareableHandle.return_value = (0, "imported")
+    drv.cuMemAddressReserve.return_value = (0, 0x7000)
+    return drv
+
+
+def test_cuda_import_binds_the_thread_and_gives_back_what_a_failure_left(
+    monkeypatch,
+):
+    """The driver calls of CudaVmmBackend.import_chunk/unmap_import, on a
+    fake driver (no GPU here; the GPU test above maps a real one): the
+    primary context is made current on a thread without one, and a failed
+    map releases the reservation and the imported handle."""
+    from vllm.v1.kv_vmm import cuda
+    from vllm.v1.kv_vmm.backend import ImportedChunk
+
+    drv = _fake_import_driver()
+    monkeypatch.setattr(cuda, "_driver", lambda: drv)
+    backend = cuda.CudaVmmBackend("cuda:0")
+    drv.cuCtxSetCurrent.reset_mock()
+    n = 2 << 20
+    chunk = backend.import_chunk(5, 0, n)
+    assert chunk == ImportedChunk(0x7000, n, "imported")
+    drv.cuCtxSetCurrent.assert_called_once_with("primary")
+    drv.cuMemMap.assert_called_once_with(0x7000, n, 0, "imported", 0)
+    backend.unmap_import(chunk)
+    drv.cuMemUnmap.assert_called_once_with(0x7000, n)
+    drv.cuMemRelease.assert_called_once_with("imported")
+    drv.cuMemAddressFree.assert_called_once_with(0x7000, n)
+
+    drv.cuMemRelease.reset_mock()
+    drv.cuMemAddressFree.reset_mock()
+    drv.cuMemMap.return_value = (1,)
+    with pytest.raises(VmmError, match="cuMemMap failed"):
+        backend.import_chunk(5, 0, n)
+    drv.cuMemAddressFree.assert_called_once_with(0x7000, n)
+    drv.cuMemRelease.assert_called_once_with("imported")
+    backend.close()
+
+
+def test_cuda_copy_stream_batches_copies_and_polls_events(monkeypatch):
+    """CudaVmmBackend.copy_stream on a fake driver: one cuMemcpyBatchAsync per
+    call (one cuMemcpyAsync per run with bindings that have no batch), an
+    event per record, NOT_READY as "not yet"."""
+    import numpy as np
+
+    from vllm.v1.kv_vmm import cuda
+
+    drv = _fake_driver(0)
+    drv.cuStreamCreate.return_value = (0, 0x55)
+    drv.cuMemcpyBatchAsync.return_value = (0,)
+    drv.cuMemcpyAsync.return_value = (0,)
+    drv.CUdeviceptr = lambda x: ("ptr", x)
+    drv.cuEventCreate.return_value = (0, "event")
+    drv.cuEventRecord.return_value = (0,)
+    drv.cuEventDestroy.return_value = (0,)
+    monkeypatch.setattr(cuda, "_driver", lambda: drv)
+    backend = cuda.CudaVmmBackend("cuda:0")
+    runs = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint64)
+    stream = backend.copy_stream()
+    assert stream.handle == 0x55
+    stream.copy(runs)
+    args = drv.cuMemcpyBatchAsync.call_args.args
+    assert args[:4] == ([("ptr", 1), ("ptr", 4)], [("ptr", 2), ("ptr", 5)], [3, 6], 2)
+    assert args[-1] == 0x55
+    event = stream.record()
+    drv.cuEventRecord.assert_called_once_with("event", 0x55)
+    drv.cuEventQuery.return_value = (drv.CUresult.CUDA_ERROR_NOT_READY,)
+    assert not stream.query(event)
+    drv.cuEventQuery.return_value = (0,)
+    assert stream.query(event)
+    stream.free(event)
+    drv.cuEventDestroy.assert_called_once_with("event")
+
+    del drv.cuMemcpyBatchAsync  # bindings before CUDA 12.8
+    backend.copy_stream().copy(runs)
+    assert [c.args for c in drv.cuMemcpyAsync.call_args_list] == [
+        (1, 2, 3, 0x55),
+        (4, 5, 6, 0x55),
+    ]
+    backend.close()

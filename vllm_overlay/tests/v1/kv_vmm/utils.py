@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -18,21 +17,6 @@ def cuda_vmm_available() -> bool:
 requires_cuda_vmm = pytest.mark.skipif(
     not cuda_vmm_available(), reason="needs a CUDA device and cuda-bindings"
 )
-requires_nixl = pytest.mark.skipif(
-    importlib.util.find_spec("nixl") is None, reason="needs nixl"
-)
-
-
-def ucx_over_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NIXL agents of one process exchanging host memory: UCX on TCP/shared
-    memory over the loopback unless the environment chooses. Left to itself
-    on a host with GPUs or RDMA devices, UCX may pick a transport these reads
-    never complete on; and where GPUs are present, NIXL refuses a UCX without
-    a CUDA transport, so cuda_copy is named there too."""
-    if "UCX_TLS" not in os.environ:
-        tls = "tcp,self,sm" + (",cuda_copy" if torch.cuda.is_available() else "")
-        monkeypatch.setenv("UCX_TLS", tls)
-        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
 
 def vllm_wires_vmm_kv() -> bool:

@@ -24,9 +24,9 @@ Thread-safety contract
   report before handing them out (engines sharing a device), on one thread
   of the worker's own (``KVPageMapper``): the owner's next maps and unmaps
   wait for that batch, and a driver error there is raised on the owner's
-  thread. (NixlConnector's same-host path, :mod:`vllm.v1.kv_vmm.nixl_samehost`,
-  runs channel threads of its own; they only export chunks it tracks as
-  mapped and not being unmapped.)
+  thread. (A KV connector may run threads of its own that export a table's
+  chunks to other processes, ``VmmBackend.export_chunk``: only chunks it
+  tracks as mapped and not being unmapped.)
 * ``KVPageTable.map_pages``, ``unmap_pages``, ``close``, ``mapped_pages`` and
   ``segments`` are serialized by one internal lock, so another thread (e.g. a
   KV connector's transfer thread) may read the mapped state while the owner

@@ -14,11 +14,24 @@ A backend hands out three kinds of objects:
 
 Backends are not thread-safe on their own: :class:`KVPageTable` serializes
 every call it makes. See the package docstring for the full contract.
+
+Sharing with other processes (a KV connector's same-host reads) is optional:
+``export_chunk`` hands out a physical allocation as a file descriptor, and
+``import_chunk`` / ``unmap_import`` map another process's allocation into
+this one. They keep no state in the backend, so any thread may call them.
+Copies into device memory are the device's work: ``copy_stream`` gives a
+stream of asynchronous device copies where the backend's memory is a
+device's (host memory is copied by the CPU, and has none).
 """
 
+import dataclasses
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class VmmError(RuntimeError):
@@ -27,6 +40,51 @@ class VmmError(RuntimeError):
 
 class VmmOutOfMemoryError(VmmError):
     """The device or the host could not provide more physical memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportedChunk:
+    """Another process's physical allocation, mapped read-only into this one
+    (:meth:`VmmBackend.import_chunk`)."""
+
+    #: Where it is mapped in this process.
+    addr: int
+    nbytes: int
+    #: What the backend needs to unmap it (the imported CUDA allocation).
+    handle: object = None
+
+
+class DeviceCopyStream(ABC):
+    """Asynchronous copies between device addresses, in order, on one stream
+    of the backend's device; an event recorded after them says when they
+    are over. Methods may be called from any thread."""
+
+    @property
+    @abstractmethod
+    def handle(self) -> int:
+        """The stream's handle (a kernel may be launched on it)."""
+
+    @abstractmethod
+    def copy(self, runs: "np.ndarray") -> None:
+        """Enqueue the ``(dst, src, nbytes)`` rows of ``runs`` as copy-engine
+        copies."""
+
+    @abstractmethod
+    def record(self) -> object:
+        """An event that completes once everything enqueued so far did."""
+
+    @abstractmethod
+    def query(self, event: object) -> bool:
+        """Whether ``event`` completed; raises :class:`VmmError` if the work
+        before it failed."""
+
+    @abstractmethod
+    def wait(self, event: object) -> None:
+        """Block until ``event`` completed."""
+
+    @abstractmethod
+    def free(self, event: object) -> None:
+        """Destroy an event of :meth:`record`."""
 
 
 class VmmBackend(ABC):
@@ -85,6 +143,28 @@ class VmmBackend(ABC):
         """Wait until no queued work can still touch memory about to be
         unmapped. Host memory is accessed synchronously: nothing to wait for.
         """
+
+    def export_chunk(self, handle: object) -> tuple[int, int]:
+        """A new file descriptor of the physical allocation ``handle`` and the
+        allocation's offset in it, for another process to
+        :meth:`import_chunk` (the caller closes the fd). The other process
+        must have unmapped it before the allocation is released."""
+        raise VmmError(f"{type(self).__name__} cannot share its memory")
+
+    def import_chunk(self, fd: int, offset: int, nbytes: int) -> ImportedChunk:
+        """Map ``nbytes`` at ``offset`` of another process's exported
+        allocation (:meth:`export_chunk`) read-only into this process, with
+        access for this backend's device; the caller closes ``fd``."""
+        raise VmmError(f"{type(self).__name__} cannot map shared memory")
+
+    def unmap_import(self, chunk: ImportedChunk) -> None:
+        """Unmap what :meth:`import_chunk` mapped."""
+        raise VmmError(f"{type(self).__name__} cannot map shared memory")
+
+    def copy_stream(self) -> DeviceCopyStream | None:
+        """A new stream of asynchronous copies on the backend's device, or
+        None where the CPU copies the memory (host memory)."""
+        return None
 
     @abstractmethod
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:

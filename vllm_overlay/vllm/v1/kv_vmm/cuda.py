@@ -6,17 +6,29 @@
 
 Allocations are flagged GPUDirect-RDMA capable and exportable as a POSIX
 file descriptor where the device supports it, so NIXL/UCX can register and
-share them. Tensors over a reservation are built through DLPack with an
-explicit device, because nothing is mapped yet when they are built and a
-pointer query on unmapped addresses would fail.
+share them; another process maps one with ``cuMemImportFromShareableHandle``
+into a reservation of its own (``import_chunk``). Tensors over a reservation
+are built through DLPack with an explicit device, because nothing is mapped
+yet when they are built and a pointer query on unmapped addresses would
+fail. ``copy_stream`` enqueues device copies on a stream of the backend's
+own and completes them through events.
 """
 
 import ctypes
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.v1.kv_vmm.backend import VmmBackend, VmmError, VmmOutOfMemoryError
+from vllm.v1.kv_vmm.backend import (
+    DeviceCopyStream,
+    ImportedChunk,
+    VmmBackend,
+    VmmError,
+    VmmOutOfMemoryError,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _driver() -> Any:
@@ -211,21 +223,62 @@ class CudaVmmBackend(VmmBackend):
     def synchronize(self) -> None:
         torch.accelerator.synchronize(self.device)
 
-    def export_fd(self, handle: object) -> int:
-        """A POSIX file descriptor for ``handle`` (the caller closes it)."""
+    def export_chunk(self, handle: object) -> tuple[int, int]:
+        """A POSIX file descriptor of ``handle`` (offset 0)."""
         if not self.fd_exportable:
             raise VmmError(f"{self.device} cannot export allocations as POSIX fds")
         drv = self._drv
-        return int(
-            self._check(
-                drv.cuMemExportToShareableHandle(
-                    handle,
-                    drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0,
-                ),
-                "cuMemExportToShareableHandle",
-            )
+        fd = self._check(
+            drv.cuMemExportToShareableHandle(
+                handle,
+                drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            ),
+            "cuMemExportToShareableHandle",
         )
+        return int(fd), 0
+
+    def import_chunk(self, fd: int, offset: int, nbytes: int) -> ImportedChunk:
+        """``cuMemImportFromShareableHandle``, mapped into a reservation of
+        its own with access for this device (``cuMemSetAccess``)."""
+        drv, check = self._drv, self._check
+        self.bind_thread()
+        handle = check(
+            drv.cuMemImportFromShareableHandle(
+                fd,
+                drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            ),
+            "cuMemImportFromShareableHandle",
+        )
+        try:
+            va = int(
+                check(drv.cuMemAddressReserve(nbytes, 0, 0, 0), "cuMemAddressReserve")
+            )
+        except BaseException:
+            drv.cuMemRelease(handle)
+            raise
+        try:
+            check(drv.cuMemMap(va, nbytes, offset, handle, 0), "cuMemMap")
+            try:
+                check(drv.cuMemSetAccess(va, nbytes, self._access, 1), "cuMemSetAccess")
+            except BaseException:
+                drv.cuMemUnmap(va, nbytes)
+                raise
+        except BaseException:
+            drv.cuMemAddressFree(va, nbytes)
+            drv.cuMemRelease(handle)
+            raise
+        return ImportedChunk(va, nbytes, handle)
+
+    def unmap_import(self, chunk: ImportedChunk) -> None:
+        drv, check = self._drv, self._check
+        self.bind_thread()
+        check(drv.cuMemUnmap(chunk.addr, chunk.nbytes), "cuMemUnmap")
+        check(drv.cuMemRelease(chunk.handle), "cuMemRelease")
+        check(drv.cuMemAddressFree(chunk.addr, chunk.nbytes), "cuMemAddressFree")
+
+    def copy_stream(self) -> "CudaCopyStream":
+        return CudaCopyStream(self)
 
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         return _dlpack_uint8_tensor(va, nbytes, self.device.index)
@@ -245,6 +298,83 @@ class CudaVmmBackend(VmmBackend):
                 "cuDevicePrimaryCtxRelease",
             )
             self._primary_ctx = None
+
+
+class CudaCopyStream(DeviceCopyStream):
+    """A non-blocking stream of the backend's device; copies are one
+    ``cuMemcpyBatchAsync`` per call (one ``cuMemcpyAsync`` per run with
+    driver bindings before CUDA 12.8). Each call makes the device's primary
+    context current on a thread that has none (``bind_thread``)."""
+
+    def __init__(self, backend: CudaVmmBackend) -> None:
+        self._backend = backend
+        drv = backend._drv
+        backend.bind_thread()
+        self._stream = backend._check(
+            drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
+            "cuStreamCreate",
+        )
+        # Older cuda-bindings releases have no batched copy.
+        self._batch = getattr(drv, "cuMemcpyBatchAsync", None)
+        self._attrs: list[Any] | None = None
+
+    @property
+    def handle(self) -> int:
+        return int(self._stream)
+
+    def copy(self, runs: "np.ndarray") -> None:
+        drv, check = self._backend._drv, self._backend._check
+        self._backend.bind_thread()
+        rows = runs.tolist()
+        if rows and self._batch is not None:
+            if self._attrs is None:
+                attrs = drv.CUmemcpyAttributes()
+                attrs.srcAccessOrder = (
+                    drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                )
+                self._attrs = [attrs]
+            check(
+                self._batch(
+                    [drv.CUdeviceptr(r[0]) for r in rows],
+                    [drv.CUdeviceptr(r[1]) for r in rows],
+                    [r[2] for r in rows],
+                    len(rows),
+                    self._attrs,
+                    [0],
+                    1,
+                    self._stream,
+                ),
+                "cuMemcpyBatchAsync",
+            )
+            return
+        for dst, src, n in rows:
+            check(drv.cuMemcpyAsync(dst, src, n, self._stream), "cuMemcpyAsync")
+
+    def record(self) -> Any:
+        drv, check = self._backend._drv, self._backend._check
+        self._backend.bind_thread()
+        event = check(
+            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+            "cuEventCreate",
+        )
+        check(drv.cuEventRecord(event, self._stream), "cuEventRecord")
+        return event
+
+    def query(self, event: object) -> bool:
+        drv = self._backend._drv
+        err = drv.cuEventQuery(event)[0]
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        self._backend._check((err,), "cuEventQuery")
+        return True
+
+    def wait(self, event: object) -> None:
+        self._backend._check(
+            self._backend._drv.cuEventSynchronize(event), "cuEventSynchronize"
+        )
+
+    def free(self, event: object) -> None:
+        self._backend._check(self._backend._drv.cuEventDestroy(event), "cuEventDestroy")
 
 
 # Minimal DLPack (v0.x ABI, the one torch.from_dlpack accepts as a capsule).

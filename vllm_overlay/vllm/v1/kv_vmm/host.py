@@ -20,7 +20,12 @@ from collections import defaultdict
 
 import torch
 
-from vllm.v1.kv_vmm.backend import VmmBackend, VmmError, VmmOutOfMemoryError
+from vllm.v1.kv_vmm.backend import (
+    ImportedChunk,
+    VmmBackend,
+    VmmError,
+    VmmOutOfMemoryError,
+)
 
 _PROT_NONE = 0
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -59,22 +64,6 @@ def _os_error(call: str) -> VmmError:
     err = ctypes.get_errno()
     cls = VmmOutOfMemoryError if err == errno.ENOMEM else VmmError
     return cls(f"{call} failed: [errno {err}] {os.strerror(err)}")
-
-
-def map_shared_extent(fd: int, offset: int, nbytes: int) -> int:
-    """Map ``nbytes`` of a shared memfd at ``offset`` read-only anywhere in
-    this process (another process's extent, from
-    :meth:`HostVmmBackend.export_extent`); returns the address."""
-    addr = _mmap(None, nbytes, mmap.PROT_READ, _MAP_SHARED, fd, offset)
-    if addr == _MAP_FAILED:
-        raise _os_error(f"mmap of a shared KV chunk ({nbytes} bytes at {offset})")
-    return addr
-
-
-def unmap_shared_extent(addr: int, nbytes: int) -> None:
-    """Unmap what :func:`map_shared_extent` mapped."""
-    if _munmap(addr, nbytes) != 0:
-        raise _os_error(f"munmap({addr:#x}, {nbytes})")
 
 
 class HostVmmBackend(VmmBackend):
@@ -170,15 +159,40 @@ class HostVmmBackend(VmmBackend):
             raise _os_error(f"fallocate(PUNCH_HOLE, {handle}, {nbytes})")
         self._free_extents[nbytes].append(handle)
 
-    def export_extent(self, handle: object) -> tuple[int, int]:
+    def export_chunk(self, handle: object) -> tuple[int, int]:
         """A new file descriptor of the memfd and the allocation's offset in
-        it, to share the allocation with another process (the caller closes
-        the fd). The receiver must unmap it before the allocation is
-        released: a punched hole frees the pages under its mapping too."""
+        it. The receiver must unmap it before the allocation is released: a
+        punched hole frees the pages under its mapping too."""
         assert isinstance(handle, int)
         if handle not in self._allocations:
             raise VmmError(f"export: no allocation at {handle}")
         return os.dup(self._fd), handle
+
+    def import_chunk(self, fd: int, offset: int, nbytes: int) -> ImportedChunk:
+        """``mmap`` of another process's memfd extent, read-only, anywhere."""
+        if nbytes <= 0 or offset < 0 or offset % mmap.PAGESIZE:
+            raise VmmError(
+                f"a shared KV chunk of {nbytes} bytes at offset {offset} is not "
+                "a page-aligned extent"
+            )
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise VmmError(f"a shared KV chunk's file descriptor: {e}") from e
+        # Pages past the end of the file would fault on the first read.
+        if offset + nbytes > size:
+            raise VmmError(
+                f"a shared KV chunk ({nbytes} bytes at offset {offset}) ends "
+                f"past its file ({size} bytes)"
+            )
+        addr = _mmap(None, nbytes, mmap.PROT_READ, _MAP_SHARED, fd, offset)
+        if addr == _MAP_FAILED:
+            raise _os_error(f"mmap of a shared KV chunk ({nbytes} bytes at {offset})")
+        return ImportedChunk(addr, nbytes)
+
+    def unmap_import(self, chunk: ImportedChunk) -> None:
+        if _munmap(chunk.addr, chunk.nbytes) != 0:
+            raise _os_error(f"munmap({chunk.addr:#x}, {chunk.nbytes})")
 
     def map(self, va: int, nbytes: int, handle: object) -> None:
         assert isinstance(handle, int)

@@ -1,53 +1,61 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""NixlConnector over VMM-backed KV memory: the connector's own state.
+"""NixlConnector's worker-side state for VMM-backed KV memory.
 
 What the connector keeps beside its stock state when the model runner hands
 it the KV page table (``--kv-cache-memory-backend vmm``), independent of the
 vLLM release; the connector calls in at its registration, handshake,
-publication and read paths.
+publication and read paths (:class:`NixlVmmWorker`):
 
-Worker side (:class:`NixlVmmWorker`):
-
-- with the page table: registers the KV memory per physical chunk of each mapped segment
-  (:class:`~vllm.v1.kv_vmm.nixl_segments.NixlSegmentRegistry`) and wraps the
+- with the page table: registers the KV memory per physical chunk of each
+  mapped segment (:class:`~.registry.NixlSegmentRegistry`) and wraps the
   NIXL agent so descriptor lists are resolved per transfer
-  (:class:`~vllm.v1.kv_vmm.nixl_segments.SegmentedXferAgent`);
+  (:class:`~.agent.SegmentedXferAgent`); shares the chunks with same-host
+  readers that prove they are its NIXL peers (:class:`~.exporter.ChunkExporter`;
+  the secret of the proofs goes out in the handshake metadata);
 - republishes the handshake payload when the registrations changed;
-- with or without it: keeps VMM-backed peers' registrations current: a
-  request names the registration epoch its peer had when it finished the
-  request, and a reader whose copy of the peer's agent metadata is older
-  fetches it again from the peer's side channel *in the background* before
-  the read (``catch_up``). The read waits for the fetch like a request waits
-  for a handshake; a fetch that fails (or times out) fails the request like
-  a failed handshake does.
-
-Scheduler side (:class:`NixlVmmScheduler`): counts the registration epoch
-and serves the workers' republished payloads from the side channel.
+- with or without it: reads of peers that offer a same-host channel in
+  their handshake run as local copies (:class:`~.transfers.SameHostReads`);
+  keeps VMM-backed peers' registrations current: a request names the
+  registration epoch its peer had when it finished the request, and a
+  reader whose copy of the peer's agent metadata is older fetches it again
+  from the peer's side channel *in the background* before the read
+  (``catch_up``). The read waits for the fetch like a request waits for a
+  handshake; a fetch that fails (or times out) fails the request like a
+  failed handshake does.
 """
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
+import zmq
 
-from vllm.logger import init_logger
-from vllm.v1.kv_vmm.nixl_samehost import (
-    ChunkExporter,
-    CudaChunkMemory,
-    HostChunkMemory,
-    SameHostReads,
-    channel_address,
-    chunk_memory_for,
-)
-from vllm.v1.kv_vmm.nixl_segments import (
-    NixlSegmentRegistry,
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
     SegmentedXferAgent,
     StockKVXferAgent,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import copier_for
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
+    ChunkExporter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
+    NixlSegmentRegistry,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
+    STATS,
+    Fallback,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    SameHostReads,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_vmm.backend import VmmBackend, VmmError
+from vllm.v1.kv_vmm.host import HostVmmBackend
 from vllm.v1.kv_vmm.page_table import KVPageTable
 
 logger = init_logger(__name__)
@@ -60,7 +68,7 @@ FETCH_TIMEOUT_S = 5.0
 FETCH_ATTEMPTS = 3
 
 # kv_connector_extra_config key: whether reads of a same-host peer's
-# VMM-backed KV go through the shared-memory path (nixl_samehost).
+# VMM-backed KV go through the shared-memory path.
 SAME_HOST_KEY = "vmm_same_host"
 
 
@@ -86,8 +94,6 @@ def fetch_agent_metadata(path: str, request: bytes, timeout_s: float) -> bytes:
     ``request`` is the release's encoded GET_META_MSG for the peer's rank.
     Blocks for up to ``timeout_s``: call it off the transfer path.
     """
-    import zmq
-
     with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -118,6 +124,7 @@ class NixlVmmWorker:
 
     Args:
         agent: the connector's ``nixl_agent``.
+        agent_name: its name (peers find our same-host channel by it).
         fetch: ``(path, request, timeout_s) -> agent metadata`` of a peer;
             :func:`fetch_agent_metadata` unless a test replaces it.
         fetch_timeout_s: how long one attempt of a background fetch may take.
@@ -131,6 +138,7 @@ class NixlVmmWorker:
     def __init__(
         self,
         agent: Any,
+        agent_name: str,
         fetch: Callable[[str, bytes, float], bytes] = fetch_agent_metadata,
         fetch_timeout_s: float = FETCH_TIMEOUT_S,
         fetch_attempts: int = FETCH_ATTEMPTS,
@@ -138,13 +146,16 @@ class NixlVmmWorker:
     ) -> None:
         self.page_table: KVPageTable | None = None
         self.registry: NixlSegmentRegistry | None = None
-        # Same-host path (nixl_samehost): our chunks shared with readers on
-        # this host, and the channels to the peers whose chunks we read.
+        # Same-host path: our chunks shared with readers on this host, and
+        # the channels to the peers whose chunks we read.
         self.same_host_enabled = same_host
         self.exporter: ChunkExporter | None = None
         self.same_host: SameHostReads | None = None
+        # A backend of our own to map peers' chunks (stock KV tensors).
+        self._reader_backend: VmmBackend | None = None
         # The connector's agent; a SegmentedXferAgent once ours registers.
         self.agent = agent
+        self.agent_name = agent_name
         self._fetch = fetch
         self.fetch_timeout_s = fetch_timeout_s
         self.fetch_attempts = max(fetch_attempts, 1)
@@ -230,30 +241,25 @@ class NixlVmmWorker:
         returns the agent the connector uses from now on (the same one where
         that cannot be: the reads then go through NIXL/UCX)."""
         kinds = sorted(set(mem_types))
-        name = getattr(self.agent, "name", None)
-        if (
-            not self.same_host_enabled
-            or use_host_buffer
-            or len(kinds) != 1
-            or not isinstance(name, str)
-        ):
+        if not self.same_host_enabled or use_host_buffer or len(kinds) != 1:
             return self.agent
-        memory: Any
+        backend: VmmBackend
         try:
             if kinds[0] == "DRAM":
-                memory = HostChunkMemory()
+                backend = HostVmmBackend()
             else:
                 from vllm.v1.kv_vmm.cuda import CudaVmmBackend
 
-                memory = CudaChunkMemory(CudaVmmBackend(device_id))
-        except Exception as e:
-            logger.info(
-                "Stock KV cache: reads of same-host VMM-backed peers go through "
-                "NIXL/UCX (%s)",
-                e,
+                backend = CudaVmmBackend(device_id)
+            self.same_host = SameHostReads(
+                backend, copier_for(backend), self.agent_name, quiet_if_absent=True
+            )
+        except (ImportError, OSError, ValueError, VmmError) as e:
+            STATS.fallback(
+                "every peer", Fallback.SETUP, f"stock KV cache, no reader ({e})", True
             )
             return self.agent
-        self.same_host = SameHostReads(memory, name=name, quiet_if_absent=True)
+        self._reader_backend = backend
         self.agent = StockKVXferAgent(
             self.agent,
             refresh_remote=self._refresh_in_background,
@@ -266,23 +272,33 @@ class NixlVmmWorker:
         registry, so its checks run first under the page table's lock) and
         get ready to read same-host peers' chunks."""
         assert self.page_table is not None
-        name = getattr(self.agent, "name", None)
-        if not isinstance(name, str):
-            return  # an agent without a name cannot be found by peers
+        backend = self.page_table.backend
         try:
-            self.exporter = ChunkExporter(channel_address(name))
+            self.exporter = ChunkExporter(self.agent_name, channel.new_secret())
             self.exporter.attach(self.page_table)
             self.same_host = SameHostReads(
-                chunk_memory_for(self.page_table.backend), name=name
+                backend, copier_for(backend), self.agent_name
             )
-        except (OSError, ImportError, AttributeError) as e:
-            logger.warning(
-                "VMM-backed KV cache: no same-host path (%s); NIXL/UCX moves all KV",
-                e,
-            )
+        except (OSError, VmmError) as e:
+            STATS.fallback("every peer", Fallback.SETUP, f"no same-host path ({e})")
             if self.exporter is not None:
                 self.exporter.close()
                 self.exporter = None
+
+    @property
+    def same_host_secret(self) -> bytes:
+        """What our NIXL handshake metadata carries so that its readers can
+        prove they are our peers on the same-host channel (empty: we share
+        nothing)."""
+        return self.exporter.secret if self.exporter is not None else b""
+
+    def offer_same_host(self, agent_name: str, secret: bytes) -> None:
+        """The handshake with the peer ``agent_name`` brought its same-host
+        ``secret`` (empty when it shares nothing): open the channel before
+        the connector prepares the peer's descriptors, so a reader with
+        stock KV tensors keeps them for same-host reads."""
+        if self.same_host is not None:
+            self.same_host.offer(agent_name, secret)
 
     def _reservations(self) -> list[tuple[int, int]]:
         """The page table's reservations, adjacent ones merged."""
@@ -336,9 +352,6 @@ class NixlVmmWorker:
         ``path`` and the encoded GET_META_MSG naming its rank."""
         with self._lock:
             self._side_channels[agent_name] = (path, request)
-        if self.same_host is not None:
-            # Same host: reads of its shared chunks become local copies.
-            self.same_host.connect(agent_name)
 
     def remove_peer(self, agent_name: str) -> None:
         """A new handshake with the peer records it again."""
@@ -431,7 +444,7 @@ class NixlVmmWorker:
         for attempt in range(1, self.fetch_attempts):
             try:
                 return self._fetch(path, request, self.fetch_timeout_s)
-            except Exception as e:
+            except (OSError, zmq.ZMQError, msgspec.MsgspecError) as e:
                 logger.warning(
                     "Fetching the NIXL registrations of %s from %s failed "
                     "(%s: %s; attempt %d of %d), trying again",
@@ -471,35 +484,5 @@ class NixlVmmWorker:
             self.exporter.close()
         if self.registry is not None:
             self.registry.close()
-
-
-class NixlVmmScheduler:
-    """Scheduler-side NixlConnector state for VMM-backed KV memory."""
-
-    def __init__(self) -> None:
-        # Steps that changed the workers' registrations (VMM-backed KV memory
-        # mapped or unmapped pages); peers that loaded our metadata at an
-        # older epoch fetch it again before reading.
-        self.epoch = 0
-
-    def step(self, scheduler_output: Any) -> None:
-        """The workers map/unmap pages, and so change their registrations,
-        at the start of the step being scheduled; requests that finish in
-        this step name the new epoch, and by the time a peer sees it the
-        side channel serves the new registrations (``serve`` runs in the
-        same update as request_finished)."""
-        if scheduler_output.kv_page_ops:
-            self.epoch += 1
-
-    def transfer_params(self) -> dict[str, int]:
-        """What request_finished adds to kv_transfer_params (nothing with
-        stock KV tensors)."""
-        return {"remote_registration_epoch": self.epoch} if self.epoch else {}
-
-    @staticmethod
-    def serve(served: MutableMapping[Any, bytes], payloads: dict[bytes, bytes]) -> None:
-        """Replace, in the side channel's ``served`` payloads, the ones the
-        workers republished (encoded old payload -> encoded new payload)."""
-        for key, payload in list(served.items()):
-            if payload in payloads:
-                served[key] = payloads[payload]
+        if self._reader_backend is not None:
+            self._reader_backend.close()

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The copy kernel of same-host KV reads (vllm/v1/kv_vmm/cuda_copy.py).
+"""The copy kernel of same-host KV reads (nixl/vmm/cuda_copy.py).
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, a
 subprocess: the variable is read when Triton is imported), which executes
 its loads and stores at the real addresses of CPU tensors; on a GPU host
-tests/v1/kv_vmm/test_nixl_samehost.py runs it on the device.
+test_copies.py runs it on the device.
 """
 
 import os
@@ -16,7 +16,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from vllm.v1.kv_vmm.cuda_copy import PIECE_BYTES, RunCopier, split_runs
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.cuda_copy import (
+    PIECE_BYTES,
+    RunCopier,
+    split_runs,
+)
 
 
 def test_split_runs_cuts_long_runs_into_pieces_that_cover_them():
@@ -45,7 +49,7 @@ def test_kernel_copies_every_run_and_nothing_else():
     script = textwrap.dedent(
         """
         import numpy as np, torch, triton, triton.language as tl
-        import vllm.v1.kv_vmm.cuda_copy as cc
+        import vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.cuda_copy as cc
 
         # Without a GPU vllm.triton_utils hands out placeholders: the module
         # keeps the kernel's Python function, which the interpreter runs.

@@ -26,6 +26,21 @@ ALIGNMENT = 16
 _WORDS_PER_ITER = 512  # int64 words each program moves per loop iteration
 
 
+class CopyKernelUnavailable(RuntimeError):
+    """The copy kernel cannot run on this host (the message says why)."""
+
+
+def _kernel_errors() -> tuple[type[Exception], ...]:
+    """What a kernel that cannot be built or launched here raises: Triton's
+    errors (no compiler for the device, too few resources) and the
+    runtime's (``RuntimeError``: no driver support)."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:
+        return (RuntimeError,)
+    return (RuntimeError, TritonError)
+
+
 @triton.jit
 def _copy_runs_kernel(base_ptr, pieces_ptr, WORDS_PER_ITER: tl.constexpr):
     """Copy piece ``program_id`` of ``pieces`` ((dst, src, nwords) rows, in
@@ -70,12 +85,12 @@ class RunCopier:
 
     def __init__(self, device: torch.device) -> None:
         if not HAS_TRITON:
-            raise RuntimeError("Triton is not available")
+            raise CopyKernelUnavailable("Triton is not available")
         self.device = device
         self._base = torch.zeros(4, dtype=torch.int64, device=device)
         self._base_addr = self._base.data_ptr()
         if self._base_addr % ALIGNMENT:
-            raise RuntimeError("unaligned base tensor")
+            raise CopyKernelUnavailable("unaligned base tensor")
 
     @staticmethod
     def accepts(runs: np.ndarray) -> bool:
@@ -101,11 +116,15 @@ class RunCopier:
 
     def warm_up(self, stream: int) -> None:
         """Compile the kernel now (the engine is starting) with a copy inside
-        our own tensor, and check that it copied."""
-        self._base[2:] = torch.tensor([7, 11], device=self.device)
-        torch.accelerator.synchronize(self.device)
-        addr = self._base_addr
-        self.launch(np.array([[addr, addr + 16, 16]], dtype=np.uint64), stream)
-        torch.cuda.ExternalStream(stream, device=self.device).synchronize()
+        our own tensor, and check that it copied; raises
+        :class:`CopyKernelUnavailable` if it cannot run here."""
+        try:
+            self._base[2:] = torch.tensor([7, 11], device=self.device)
+            torch.accelerator.synchronize(self.device)
+            addr = self._base_addr
+            self.launch(np.array([[addr, addr + 16, 16]], dtype=np.uint64), stream)
+            torch.cuda.ExternalStream(stream, device=self.device).synchronize()
+        except _kernel_errors() as e:
+            raise CopyKernelUnavailable(f"{type(e).__name__}: {e}") from e
         if self._base[:2].tolist() != [7, 11]:
-            raise RuntimeError("the copy kernel did not copy")
+            raise CopyKernelUnavailable("the copy kernel did not copy")

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NixlVmmWorker and NixlVmmScheduler: the NixlConnector state for
-VMM-backed KV memory; and the order of NixlSegmentRegistry's checks on unmap.
+VMM-backed KV memory.
 
 The peer fetches are about ordering (the read path must not wait for them),
 so the tests control when a fetch returns; the timeout test uses a real ZMQ
 side channel that never answers. Registration against a real NIXL agent is
-covered in test_nixl_segments.py and the release's connector tests.
+covered in test_registry.py and the release's connector tests.
 """
 
 import threading
@@ -15,33 +15,27 @@ import time
 import msgspec
 import pytest
 
+from tests.v1.kv_connector.unit.nixl_vmm.utils import RecordingAgent
 from vllm.config import KVTransferConfig
-from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
-from vllm.v1.kv_vmm.nixl_connector import (
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.scheduler import (
     NixlVmmScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.worker import (
     NixlVmmWorker,
     fetch_agent_metadata,
     same_host_reads_enabled,
 )
+from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 
 
-class _Agent:
+class _Agent(RecordingAgent):
     """NIXL agent stand-in: records registrations and loaded peer metadata."""
 
     def __init__(self) -> None:
-        self.registered: list = []
+        super().__init__()
         self.loaded: list[bytes] = []
         self.threads: list[str] = []
         self.metadata = b"meta-0"
-
-    def get_reg_descs(self, descs, mem_type):
-        return list(descs)
-
-    def register_memory(self, descs, backends=None):
-        self.registered.append(descs)
-
-    def deregister_memory(self, descs, backends=None):
-        self.registered.remove(descs)
 
     def get_agent_metadata(self) -> bytes:
         return self.metadata
@@ -69,56 +63,6 @@ class _Fetch:
         return self.reply
 
 
-class _ScriptedAgent(_Agent):
-    """Also answers transfer states from a script: the test is about the order
-    of checks, not about moving bytes."""
-
-    def __init__(self, states: list[str]) -> None:
-        super().__init__()
-        self.states = states
-
-    def check_xfer_state(self, handle) -> str:
-        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
-
-
-def test_unmap_refuses_under_the_lock_if_a_transfer_started_after_the_wait():
-    """The wait runs before the page table's lock is taken; the deregistration
-    under the lock checks again without waiting, so a transfer in flight by
-    then still keeps its chunk mapped."""
-    import numpy as np
-
-    from vllm.v1.kv_vmm import VmmError
-    from vllm.v1.kv_vmm.nixl_segments import NixlSegmentRegistry
-
-    backend = HostVmmBackend(2 << 20)
-    geometry = KVPageGeometry(
-        [KVTensorLayout(block_bytes=2 << 20, num_regions=1)],
-        num_blocks=2,
-        granularity=backend.granularity,
-    )
-    table = KVPageTable(backend, geometry, max_pages=2)
-    # First query (the wait, outside the lock): done; second (under it): in flight.
-    agent = _ScriptedAgent(["DONE", "PROC"])
-    registry = NixlSegmentRegistry(agent, "DRAM", 0, unmap_timeout_s=60.0)
-    try:
-        registry.attach(table)
-        table.map_pages([0, 1])
-        base = table.tensors[0].data_ptr()
-        registry.track("xfer", np.array([(base, 4096, 0)], dtype=np.uint64))
-        with pytest.raises(VmmError, match="segment 0 cannot be unmapped"):
-            table.unmap_pages([0])
-        assert table.is_mapped(0) and len(agent.registered) == 2
-        # Once it is done, the unmap deregisters and gives the chunk back.
-        agent.states = ["DONE"]
-        assert table.unmap_pages([0]) == [0]
-        assert not table.is_mapped(0) and len(agent.registered) == 1
-    finally:
-        agent.states = ["DONE"]
-        table.close()
-        registry.close()
-        backend.close()
-
-
 @pytest.fixture
 def table():
     backend = HostVmmBackend(2 << 20)
@@ -135,7 +79,9 @@ def table():
 
 def _worker(table, fetch, fetch_attempts: int = 1) -> tuple[NixlVmmWorker, _Agent]:
     agent = _Agent()
-    worker = NixlVmmWorker(agent, fetch=fetch, fetch_attempts=fetch_attempts)
+    worker = NixlVmmWorker(
+        agent, "worker", fetch=fetch, fetch_attempts=fetch_attempts, same_host=False
+    )
     worker.page_table = table
     base = table.tensors[0].data_ptr()
     worker.register(["DRAM"], False, [(base, base + 4096)], 0)
@@ -268,7 +214,7 @@ def test_fetch_times_out_off_the_read_path():
         port = rep.bind_to_random_port("tcp://127.0.0.1")
         # A reader with stock KV tensors (no page table) catches up too.
         agent = _Agent()
-        worker = NixlVmmWorker(agent, fetch_timeout_s=2.0, fetch_attempts=1)
+        worker = NixlVmmWorker(agent, "worker", fetch_timeout_s=2.0, fetch_attempts=1)
         worker.add_peer("peer", f"tcp://127.0.0.1:{port}", b"get-meta")
         try:
             ready, failed, done, on_failed = _events()
@@ -337,7 +283,7 @@ def test_register_checks_the_configuration(table):
     end = base + table.geometry.tensor_bytes[0]
 
     def worker() -> NixlVmmWorker:
-        w = NixlVmmWorker(_Agent())
+        w = NixlVmmWorker(_Agent(), "worker", same_host=False)
         w.page_table = table
         return w
 
@@ -410,3 +356,70 @@ def test_scheduler_counts_epochs_and_serves_republished_payloads():
     served = {(0, 0): b"a", (0, 1): b"b"}
     NixlVmmScheduler.serve(served, {b"b": b"b2", b"x": b"y"})
     assert served == {(0, 0): b"a", (0, 1): b"b2"}
+
+
+def test_a_vmm_worker_publishes_the_secret_that_opens_its_channel(table):
+    """A VMM-backed worker with the same-host path on shares its chunks with
+    readers holding the secret its handshake metadata carries; a stock
+    reader given that secret in the handshake opens the channel."""
+    import uuid
+
+    name = f"p-{uuid.uuid4()}"
+    producer = NixlVmmWorker(_Agent(), name)
+    producer.page_table = table
+    base = table.tensors[0].data_ptr()
+    table.map_pages([0])
+    producer.register(["DRAM"], False, [(base, base + 4096)], 0)
+    reader = NixlVmmWorker(_Agent(), "reader")
+    off = NixlVmmWorker(_Agent(), "off", same_host=False)
+    try:
+        secret = producer.same_host_secret
+        assert len(secret) == 32
+        assert reader.same_host_secret == b"" and off.same_host_secret == b""
+        agent = reader.read_same_host(["DRAM"], False, 0)
+        assert type(agent).__name__ == "StockKVXferAgent"
+        assert off.read_same_host(["DRAM"], False, 0) is off.agent
+        reader.offer_same_host(name.encode(), secret)
+        assert reader.same_host.has_channel(name)
+        deadline = time.monotonic() + 10
+        while reader.same_host.importer(name).num_mapped < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_fallbacks_reach_the_connector_stats():
+    """Reads that went to NIXL/UCX reach NixlConnector's own stats: counted
+    by reason in the worker's interval, summed in the log line, kept when
+    aggregated into stats that never saw one."""
+    nixl_stats = pytest.importorskip(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats",
+        reason="the release's NixlConnector has no nixl.stats module",
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
+        STATS,
+        STATS_KEY,
+        Fallback,
+        fallbacks_by_reason,
+        record_fallbacks,
+    )
+
+    stats = nixl_stats.NixlKVConnectorStats()
+    record_fallbacks(stats.data)  # what came before this test
+    stats = nixl_stats.NixlKVConnectorStats()
+    record_fallbacks(stats.data)
+    assert stats.is_empty() and STATS_KEY not in stats.data
+    for _ in range(2):
+        STATS.fallback("peer", Fallback.NOT_SHARED, "outside")
+    STATS.fallback("peer", Fallback.CLOSED, "gone")
+    record_fallbacks(stats.data)
+    assert not stats.is_empty()
+    assert fallbacks_by_reason(stats.data) == {"not_shared": 2, "channel_closed": 1}
+    assert stats.reduce()["Num same-host fallbacks"] == 3
+    total = nixl_stats.NixlKVConnectorStats()
+    total.aggregate(stats)
+    total.aggregate(stats.clone_and_reset())
+    assert total.reduce()["Num same-host fallbacks"] == 6
+    assert "Num same-host fallbacks" not in nixl_stats.NixlKVConnectorStats().reduce()

@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The copies of same-host reads: runs merged, host copies by system call,
+device copies dispatched to the copy kernel or the copy engines, and (on a
+GPU host) CUDA chunks imported and copied for real."""
+
+import ctypes
+import errno
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    BLOCK,
+    Notifs,
+    finish,
+    make_table,
+    rows,
+    wait_until,
+)
+from tests.v1.kv_vmm.utils import requires_cuda_vmm
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
+    DeviceCopier,
+    HostCopier,
+    coalesce,
+    copier_for,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
+    ChunkExporter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    SameHostReads,
+)
+from vllm.v1.kv_vmm import HostVmmBackend, VmmError
+from vllm.v1.kv_vmm.backend import DeviceCopyStream
+
+
+def test_coalesce_merges_adjacent_rows_on_both_sides():
+    dst = np.array([0, 100, 200, 1000], dtype=np.uint64)
+    src = np.array([50, 150, 400, 250], dtype=np.uint64)
+    n = np.full(4, 100, dtype=np.uint64)
+    runs = coalesce(dst, src, n)
+    # 0<-50 and 100<-150 merge; 1000<-250 follows 100<-150 in the source
+    # but not in the destination; 200<-400 stands alone.
+    assert sorted(map(tuple, runs.tolist())) == [
+        (0, 50, 200),
+        (200, 400, 100),
+        (1000, 250, 100),
+    ]
+
+
+def test_host_copies_take_one_system_call_per_1024_runs_or_fall_back_to_memmove():
+    """Scattered runs (more than one process_vm_readv call holds) land where
+    they belong; a kernel that refuses the call (EPERM under a seccomp
+    profile) leaves memmove doing the copies, from then on."""
+    rng = np.random.default_rng(0)
+    src = np.arange(3000 * 64, dtype=np.uint8) % 251
+    for refuse in (False, True):
+        copier = HostCopier()
+        calls: list[int] = []
+        real = copier._readv
+        assert real is not None
+
+        def readv(*args, real=real, refuse=refuse, calls=calls):
+            calls.append(args[2])
+            if refuse:
+                ctypes.set_errno(errno.EPERM)
+                return -1
+            return real(*args)
+
+        copier._readv = readv
+        dst = np.zeros_like(src)
+        order = rng.permutation(3000)
+        runs = np.array(
+            [
+                (dst.ctypes.data + 64 * i, src.ctypes.data + 64 * j, 64)
+                for i, j in enumerate(order)
+            ],
+            dtype=np.uint64,
+        )
+        job = copier.submit(runs)
+        job.wait()
+        assert job.done()
+        copier.close()
+        assert (dst.reshape(3000, 64) == src.reshape(3000, 64)[order]).all()
+        assert calls == ([1024] if refuse else [1024, 1024, 952])
+        assert (copier._readv is None) == refuse
+
+
+def test_a_host_copy_that_fails_part_way_fails_its_job():
+    """A copy out of memory that is gone (process_vm_readv: EFAULT) is an
+    error of that read, not of the copier: the next copy goes through."""
+    copier = HostCopier()
+    try:
+        dst = np.zeros(64, dtype=np.uint8)
+        copier.submit(np.array([[dst.ctypes.data, dst.ctypes.data, 8]])).wait()
+        if copier._readv is None:
+            pytest.skip("process_vm_readv is refused here (memmove would fault)")
+        bad = np.array([[dst.ctypes.data, 8, 64]], dtype=np.uint64)  # address 8
+        job = copier.submit(bad)
+        with pytest.raises(VmmError, match="failed part-way"):
+            job.wait()
+        src = np.full(64, 9, dtype=np.uint8)
+        copier.submit(
+            np.array([[dst.ctypes.data, src.ctypes.data, 64]], dtype=np.uint64)
+        ).wait()
+        assert (dst == 9).all()
+    finally:
+        copier.close()
+
+
+class _FakeStream(DeviceCopyStream):
+    """A device stream stand-in (CPU hosts have none): copies with memmove
+    when enqueued, events complete when ``ready``. Only the dispatch is
+    under test here; tests/v1/kv_vmm/test_backends.py drives the CUDA
+    stream's driver calls and the GPU test below the real device."""
+
+    def __init__(self):
+        self.copied: list[list[int]] = []
+        self.events: list[dict] = []
+        self.ready = True
+
+    @property
+    def handle(self) -> int:
+        return 1234
+
+    def copy(self, runs):
+        for dst, src, n in np.asarray(runs).tolist():
+            ctypes.memmove(dst, src, n)
+            self.copied.append([dst, src, n])
+
+    def record(self):
+        event = {"freed": False}
+        self.events.append(event)
+        return event
+
+    def query(self, event):
+        return self.ready
+
+    def wait(self, event):
+        assert self.ready
+
+    def free(self, event):
+        event["freed"] = True
+
+
+class _Kernel:
+    def __init__(self, accept: bool):
+        self.accept = accept
+        self.launched: list[tuple[list, int]] = []
+
+    def accepts(self, runs):
+        return self.accept
+
+    def launch(self, runs, stream):
+        self.launched.append((np.asarray(runs).tolist(), stream))
+
+
+@pytest.mark.parametrize("kernel", [None, "accepts", "refuses"])
+def test_device_copies_go_to_the_kernel_where_it_accepts_them(kernel):
+    stream = _FakeStream()
+    k = None if kernel is None else _Kernel(kernel == "accepts")
+    copier = DeviceCopier(stream, k)
+    src = np.full(64, 5, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    runs = np.array([[dst.ctypes.data, src.ctypes.data, 64]], dtype=np.uint64)
+    stream.ready = False
+    job = copier.submit(runs)
+    assert not job.done()
+    stream.ready = True
+    assert job.done()
+    job.free()
+    assert stream.events == [{"freed": True}]
+    if k is not None and k.accept:
+        assert k.launched == [(runs.tolist(), 1234)] and stream.copied == []
+    else:
+        assert stream.copied == runs.tolist() and (dst == 5).all()
+
+
+def test_host_memory_is_copied_by_the_cpu():
+    backend = HostVmmBackend()
+    try:
+        assert backend.copy_stream() is None
+        assert type(copier_for(backend)) is HostCopier
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@requires_cuda_vmm
+@pytest.mark.parametrize("copy", ["kernel", "batch"])
+def test_cuda_chunks_are_imported_and_copied(copy):
+    """CUDA backend: the exported allocations are imported, mapped with
+    access for the reader's device and copied asynchronously, by the copy
+    kernel or with one batched copy, a read that a poll completes: blocks in
+    another order on each side (runs of one block) and adjacent ones (one
+    run)."""
+    from vllm.v1.kv_vmm.cuda import CudaVmmBackend
+
+    backend = CudaVmmBackend(torch.device("cuda", 0))
+    if not backend.fd_exportable:
+        pytest.skip("the device cannot export allocations as POSIX fds")
+    _, table = make_table(backend)
+    name, secret = f"p-{uuid.uuid4()}", new_secret()
+    exporter = ChunkExporter(name, secret)
+    exporter.attach(table)
+    reader_backend = CudaVmmBackend(torch.device("cuda", 0))
+    copier = copier_for(reader_backend, copy_kernel=copy == "kernel")
+    # On a GPU host the kernel must be there when asked for.
+    assert (copier.kernel is not None) == (copy == "kernel")
+    reads = SameHostReads(reader_backend, copier, "reader")
+    try:
+        table.map_pages([0, 1])
+        for block in range(16):
+            flat = table.tensors[0].view(torch.uint8)
+            flat[block * BLOCK : (block + 1) * BLOCK].fill_(block + 1)
+        torch.accelerator.synchronize()
+        assert reads.offer(name, secret)
+        wait_until(lambda: reads.importer(name).num_mapped == 2)
+        dst = torch.zeros(16 * BLOCK, dtype=torch.uint8, device="cuda")
+        local = [0, 1, 2, 3, 4, 5, 6, 7]
+        remote = [9, 3, 12, 0, 15, 4, 5, 6]  # two pages; 4, 5, 6 adjacent
+        xfer = reads.make_read(
+            name,
+            rows(dst.data_ptr(), local),
+            rows(table.tensors[0].data_ptr(), remote),
+            b"",
+            Notifs(),
+        )
+        assert len(xfer.runs) == 6
+        xfer.post()
+        assert finish(xfer) == "DONE"
+        got = dst.view(16, BLOCK).cpu()
+        for i, block in enumerate(remote):
+            assert bool((got[i] == block + 1).all()), (i, block)
+        assert bool((got[len(local) :] == 0).all())
+        xfer.release()
+        table.unmap_pages([0, 1])
+        assert reads.importer(name).num_mapped == 0
+    finally:
+        reads.close()
+        exporter.close()
+        table.close()
+        backend.close()
+        reader_backend.close()

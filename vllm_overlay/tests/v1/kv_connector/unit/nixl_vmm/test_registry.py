@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""NixlSegmentRegistry with real NIXL agents (UCX over the loopback) and real
+host VMM memory: one registration per mapped chunk, following maps and
+unmaps, and unmaps that wait for the transfers using their segment."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    RecordingAgent,
+    block_view,
+    make_table,
+    nixl_side,
+    requires_nixl,
+    ucx_over_loopback,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
+    NixlSegmentRegistry,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    XferHandle,
+)
+from vllm.v1.kv_vmm import VmmError
+
+
+@pytest.fixture(autouse=True)
+def _ucx_over_loopback(monkeypatch):
+    ucx_over_loopback(monkeypatch)
+
+
+def _close(*sides):
+    for backend, table, _, registry, _ in reversed(sides):
+        table.close()
+        registry.close()
+        backend.close()
+
+
+@requires_nixl
+def test_registrations_follow_segments():
+    side = nixl_side("prefill")
+    _, table, _, registry, _ = side
+    try:
+        table.map_pages([0, 2])
+        chunks = sorted((c.va, c.nbytes) for s in table.segments() for c in s.chunks)
+        assert registry.registered_ranges == chunks and len(chunks) == 2
+        generation = registry.generation
+        table.unmap_pages([0])
+        assert registry.registered_ranges == chunks[1:]
+        assert registry.generation == generation + 1
+        table.map_pages([1])
+        assert len(registry.registered_ranges) == 2
+        assert registry.generation == generation + 2
+
+        # Which transfer rows a registration covers: one chunk must hold a row
+        # whole; a row across two adjacent chunks is covered by neither.
+        page = 2 << 20
+        base = table.tensors[0].data_ptr()
+        rows = np.array(
+            [
+                (base + page, 4096, 0),  # page 1, mapped
+                (base + 3 * page - 4096, 4096, 0),  # end of page 2, mapped
+                (base + 2 * page - 2048, 4096, 0),  # across pages 1 and 2
+                (base, 4096, 0),  # page 0, unmapped
+            ],
+            dtype=np.uint64,
+        )
+        assert registry.unregistered(rows).tolist() == rows[2:].tolist()
+    finally:
+        _close(side)
+
+
+class _HeldCompletion:
+    """A real NIXL agent whose transfers report "PROC" until the test releases them.
+
+    A fake on purpose, and only for ordering: the transfer itself is real (UCX
+    moves the bytes between real host VMM pages), but whether it has finished is
+    what the unmap has to wait for, and a real transfer may finish inside
+    transfer() or at any moment after. Holding back the reported completion
+    makes "the unmap runs while the transfer is in flight" happen on every run
+    instead of when the transfer loses a race.
+    """
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.released = threading.Event()
+        # Set once a state query was answered "PROC" because of the hold.
+        self.held_query = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def real_state(self, handle) -> str:
+        return self._agent.check_xfer_state(handle.handle)
+
+    def transfer(self, handle, *args, **kwargs) -> str:
+        state = self._agent.transfer(handle, *args, **kwargs)
+        return state if self.released.is_set() or state == "ERR" else "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        state = self._agent.check_xfer_state(handle)
+        if self.released.is_set() or state == "ERR":
+            return state
+        self.held_query.set()
+        return "PROC"
+
+
+@requires_nixl
+def test_unmap_waits_for_transfers_that_touch_the_segment():
+    block = 2 << 20  # one block per page
+    p_side = nixl_side("prefill2", block_bytes=block, num_blocks=4)
+    d_side = nixl_side("decode2", block_bytes=block, num_blocks=4, wrap=_HeldCompletion)
+    try:
+        _, p_table, p_agent, _, _ = p_side
+        _, d_table, held, d_registry, d_xfer = d_side
+        p_table.map_pages([0])
+        d_table.map_pages([0, 1])
+        block_view(p_table, 0, block).fill_(5)
+        remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+
+        def descs(table):
+            base = table.tensors[0].data_ptr()
+            return [(base + b * block, block, 0) for b in range(4)]
+
+        local = d_xfer.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", d_xfer.get_xfer_descs(descs(d_table), "DRAM")
+        )
+        remote_descs = d_xfer.prep_xfer_dlist(
+            remote, d_xfer.get_xfer_descs(descs(p_table), "DRAM")
+        )
+        handle = d_xfer.make_prepped_xfer("READ", local, [0], remote_descs, [0])
+        assert d_xfer.transfer(handle) == "PROC"
+
+        # In flight: an unmap that may not wait is refused and the page stays mapped.
+        d_registry.unmap_timeout_s = 0.0
+        with pytest.raises(VmmError, match="cannot be unmapped"):
+            d_table.unmap_pages([0])
+        assert d_table.is_mapped(0)
+        # Page 1 holds no block of the transfer: it unmaps at once.
+        d_table.unmap_pages([1])
+        assert not d_table.is_mapped(1)
+
+        # The bytes really arrive (the real transfer finishes on its own).
+        deadline = time.monotonic() + 60
+        while held.real_state(handle) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert held.real_state(handle) == "DONE"
+        assert torch.all(block_view(d_table, 0, block) == 5)
+
+        # An unmap allowed to wait blocks while the transfer is reported in flight...
+        d_registry.unmap_timeout_s = 60.0
+        held.held_query.clear()
+        errors: list[BaseException] = []
+
+        def unmap() -> None:
+            try:
+                d_table.unmap_pages([0])
+            except BaseException as e:  # reported by the test thread below
+                errors.append(e)
+
+        unmapping = threading.Thread(target=unmap)
+        unmapping.start()
+        assert held.held_query.wait(60), "the unmap never asked for the state"
+        assert unmapping.is_alive()
+        assert d_table.is_mapped(0)
+        # The wait does not hold the page table's lock: its mapped state can
+        # be read meanwhile (segments() takes the lock).
+        reader = threading.Thread(target=d_table.segments)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the unmap waits under the page table lock"
+        assert unmapping.is_alive() and d_table.is_mapped(0)
+        # ... and goes ahead once the transfer completes.
+        held.released.set()
+        unmapping.join(60)
+        assert not unmapping.is_alive()
+        assert errors == []
+        assert not d_table.is_mapped(0)
+        assert d_registry.registered_ranges == []
+        d_xfer.release_xfer_handle(handle)
+        d_xfer.remove_remote_agent(remote)
+    finally:
+        # A failed check must not leave an unmap waiting on the hold.
+        d_side[2].released.set()
+        _close(p_side, d_side)
+
+
+class _ScriptedXfer(XferHandle):
+    """A transfer whose states come from a script: the test is about the
+    order of checks, not about moving bytes."""
+
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+
+    def post(self, *args, **kwargs) -> str:
+        return self.state()
+
+    def state(self) -> str:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def telemetry(self):
+        return None
+
+    def release(self) -> None:
+        pass
+
+
+def test_unmap_refuses_under_the_lock_if_a_transfer_started_after_the_wait():
+    """The wait runs before the page table's lock is taken; the deregistration
+    under the lock checks again without waiting, so a transfer in flight by
+    then still keeps its chunk mapped."""
+    backend, table = make_table(num_blocks=2, block=2 << 20)
+    agent = RecordingAgent()
+    registry = NixlSegmentRegistry(agent, "DRAM", 0, unmap_timeout_s=60.0)
+    # First query (the wait, outside the lock): done; second (under it): in flight.
+    xfer = _ScriptedXfer(["DONE", "PROC"])
+    try:
+        registry.attach(table)
+        table.map_pages([0, 1])
+        base = table.tensors[0].data_ptr()
+        registry.track(xfer, np.array([(base, 4096, 0)], dtype=np.uint64))
+        with pytest.raises(VmmError, match="segment 0 cannot be unmapped"):
+            table.unmap_pages([0])
+        assert table.is_mapped(0) and len(agent.registered) == 2
+        # Once it is done, the unmap deregisters and gives the chunk back.
+        xfer.states = ["DONE"]
+        assert table.unmap_pages([0]) == [0]
+        assert not table.is_mapped(0) and len(agent.registered) == 1
+    finally:
+        xfer.states = ["DONE"]
+        table.close()
+        registry.close()
+        backend.close()

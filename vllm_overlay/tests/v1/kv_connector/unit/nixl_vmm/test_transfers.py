@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Same-host reads as transfer handles: posted, polled to their end, their
+chunks pinned meanwhile, released in flight; and every read that goes to
+NIXL/UCX instead counted with its reason. Real exporter, sockets and host
+VMM memory; the asynchronous copier stands in for a device."""
+
+import threading
+import time
+
+import numpy as np
+
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    BLOCK,
+    AsyncGatedCopier,
+    Notifs,
+    Reader,
+    connect,
+    fill,
+    finish,
+    requires_nixl,
+    rows,
+    wait_until,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
+    same_host_stats,
+)
+
+
+def test_asynchronous_copies_complete_when_polled_and_hold_their_chunks(producer):
+    """Copies enqueued on a device: the read is posted on the caller's thread
+    and completes when a poll finds its event done; until then its chunks
+    stay pinned (an unmap waits), and a read given up while in flight waits
+    for its copies before its chunks go."""
+    table = producer.table
+    table.map_pages([0])
+    fill(table, 3, 7)
+    copier = AsyncGatedCopier()
+    reads = Reader(copier)
+    try:
+        importer = connect(reads, producer, 1)
+        dst = np.zeros(BLOCK, dtype=np.uint8)
+        local, remote = rows(dst.ctypes.data, [0]), rows(producer.base, [3])
+        notifs = Notifs()
+        xfer = reads.make_read(producer.name, local, remote, b"r", notifs)
+        assert xfer.post() == "PROC"
+        assert xfer.check() == "PROC"
+        # The producer gives the page back: it waits for the read in flight.
+        unmapping = threading.Thread(target=table.unmap_pages, args=([0],))
+        unmapping.start()
+        time.sleep(0.2)
+        assert unmapping.is_alive() and importer.num_mapped == 1
+        copier.gate.set()
+        assert finish(xfer) == "DONE"
+        assert notifs == [(producer.name, b"r")] and (dst == 7).all()
+        assert copier.freed == 1
+        unmapping.join(10)
+        assert not unmapping.is_alive() and importer.num_mapped == 0
+        xfer.release()
+
+        # Given up in flight: release waits for the copies, then unpins.
+        table.map_pages([0])
+        wait_until(lambda: importer.num_mapped == 1)
+        copier.gate.clear()
+        xfer = reads.make_read(producer.name, local, remote, b"", notifs)
+        assert xfer.post() == "PROC"
+        threading.Timer(0.2, copier.gate.set).start()
+        xfer.release()
+        assert copier.freed == 2 and xfer.state() == "DONE"
+        assert all(m.pins == 0 for m in importer._mapped.values())
+        # A read never posted unpins at release.
+        xfer = reads.make_read(producer.name, local, remote, b"", notifs)
+        xfer.release()
+        assert all(m.pins == 0 for m in importer._mapped.values())
+    finally:
+        copier.gate.set()
+        reads.close()
+
+
+def test_reads_that_leave_the_path_are_counted_by_reason(producer, reader):
+    table = producer.table
+    table.map_pages([0])
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+    local, remote = rows(dst.ctypes.data, [0]), rows(producer.base, [1])
+    before = same_host_stats()
+    # Never offered a channel: the reader has nothing for this peer.
+    assert reader.make_read("stranger", local, remote, b"", Notifs()) is None
+    assert reader.offer(producer.name, producer.secret)
+    wait_until(lambda: reader.importer(producer.name).num_mapped == 1)
+    # Outside the shared chunks (page 5 is not mapped).
+    assert (
+        reader.make_read(producer.name, local, rows(producer.base, [40]), b"", None)
+        is None
+    )
+    # The channel closed (the producer stopped sharing).
+    producer.exporter.close()
+    wait_until(lambda: not reader.has_channel(producer.name))
+    assert reader.make_read(producer.name, local, remote, b"", None) is None
+    after = same_host_stats()
+    for reason in ("unshared", "not_shared", "channel_closed"):
+        key = f"fallbacks_{reason}"
+        assert after.get(key, 0) == before.get(key, 0) + 1, reason
+    assert after["fallbacks"] == before["fallbacks"] + 3
+
+
+@requires_nixl
+def test_a_notification_that_fails_fails_the_read(producer, reader):
+    """NIXL could not tell the producer the read is done (it left): the read
+    is an error, counted when released."""
+    from nixl._bindings import nixlRemoteDisconnectError
+
+    table = producer.table
+    table.map_pages([0])
+    fill(table, 0, 1)
+    assert reader.offer(producer.name, producer.secret)
+    wait_until(lambda: reader.importer(producer.name).num_mapped == 1)
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+
+    def notify(agent, msg):
+        raise nixlRemoteDisconnectError("the peer is gone")
+
+    before = same_host_stats()
+    xfer = reader.make_read(
+        producer.name,
+        rows(dst.ctypes.data, [0]),
+        rows(producer.base, [0]),
+        b"n",
+        notify,
+    )
+    xfer.post()
+    assert finish(xfer) == "ERR"
+    xfer.release()
+    after = same_host_stats()
+    assert after["failed"] == before["failed"] + 1
+    assert after["reads"] == before["reads"]

@@ -1,0 +1,334 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A reader's side of one producer's same-host channel: maps the chunks the
+producer shares (through the reader's VMM backend), drops them when asked,
+and resolves reads against them.
+
+The reader closes each fd once mapped (the mapping or the imported handle
+keeps the memory), so a channel holds none in steady state; at most
+:data:`~.channel.MAX_FDS_PER_MESSAGE` are in flight per message. A reader
+out of descriptors (the kernel drops the fds of the message) detaches from
+that producer with an error naming the limit and reads through NIXL/UCX.
+"""
+
+import contextlib
+import dataclasses
+import os
+import socket
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
+    Add,
+    Drop,
+    Dropped,
+    Hello,
+    Proof,
+    SameHostUnavailable,
+    Sync,
+    Synced,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
+    STATS,
+    Fallback,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_vmm.backend import ImportedChunk, VmmBackend, VmmError
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass
+class _Mapped:
+    remote_va: int
+    chunk: ImportedChunk
+    pins: int = 0
+    dropping: bool = False
+
+
+class ChunkImporter:
+    """Opens the channel to one producer and follows it; raises
+    :class:`SameHostUnavailable` (its ``reason`` says why) when the channel
+    cannot be opened.
+
+    Args:
+        producer: the producer's NIXL agent name.
+        secret: the producer's same-host secret, from its NIXL handshake.
+        backend: our VMM backend: maps the shared chunks.
+        name: our NIXL agent name (part of the proofs; the producer logs it).
+        address: where the producer listens (default: from its name).
+        identity: our ``(boot id, hostname)`` (tests change it).
+        connect_timeout_s: how long the connect and the handshake may take.
+
+    """
+
+    def __init__(
+        self,
+        producer: str,
+        secret: bytes,
+        backend: VmmBackend,
+        name: str,
+        address: str | None = None,
+        identity: tuple[str, str] | None = None,
+        connect_timeout_s: float = channel.CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.producer = producer
+        self.address = address or channel.channel_address(producer)
+        self.backend = backend
+        self.kind = backend.device.type
+        self.alive = False
+        self.error: Exception | None = None
+        self._cond = threading.Condition()
+        self._mapped: dict[int, _Mapped] = {}
+        self._index: tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None = None
+        self._send_lock = threading.Lock()
+        # Syncs asked for and answered (see sync()).
+        self._sync_asked = 0
+        self._sync_answered = 0
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(connect_timeout_s)
+        try:
+            self._open(sock, secret, name, identity or channel.host_identity())
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(channel.IO_TIMEOUT_S)
+        self.sock = sock
+        self.alive = True
+        self._thread = threading.Thread(
+            target=self._loop, name="kv-vmm-same-host-reader", daemon=True
+        )
+        self._thread.start()
+        STATS.count(channels=1)
+
+    def _open(
+        self,
+        sock: socket.socket,
+        secret: bytes,
+        name: str,
+        identity: tuple[str, str],
+    ) -> None:
+        """Connect and prove to each other that both hold the secret."""
+        where = f"no same-host channel at {self.address.lstrip(chr(0))!r}"
+        try:
+            sock.connect(self.address)
+        except (ConnectionRefusedError, FileNotFoundError) as e:
+            raise SameHostUnavailable(Fallback.UNREACHABLE, f"{where}: {e}") from e
+        except TimeoutError as e:
+            raise SameHostUnavailable(Fallback.TIMEOUT, f"{where}: {e}") from e
+        except OSError as e:
+            raise SameHostUnavailable(Fallback.SETUP, f"{where}: {e}") from e
+        try:
+            _, uid = channel.peer_credentials(sock)
+            if uid != os.getuid():
+                raise SameHostUnavailable(
+                    Fallback.REFUSED, f"the listener runs as uid {uid}, not ours"
+                )
+            boot_id, hostname = identity
+            nonce = channel.new_nonce()
+            channel.send(
+                sock, Hello(name=name, boot_id=boot_id, hostname=hostname, nonce=nonce)
+            )
+            challenge, _ = channel.recv(sock, channel.CHALLENGE)
+            if challenge is None:
+                raise SameHostUnavailable(
+                    Fallback.REFUSED, "the producer closed the channel at once"
+                )
+            if (challenge.boot_id, challenge.hostname) != identity:
+                raise SameHostUnavailable(
+                    Fallback.OTHER_HOST,
+                    f"the producer is on {challenge.hostname} (boot id "
+                    f"{challenge.boot_id}), not this host",
+                )
+            if challenge.kind not in ("", self.kind):
+                raise SameHostUnavailable(
+                    Fallback.KIND,
+                    f"the producer shares {challenge.kind} memory, this reader "
+                    f"copies into {self.kind} memory",
+                )
+            mine = channel.proof(
+                secret, "producer", (nonce, challenge.nonce), self.producer, name
+            )
+            if not channel.proof_matches(mine, challenge.proof):
+                raise SameHostUnavailable(
+                    Fallback.AUTH,
+                    f"the listener at {self.address.lstrip(chr(0))!r} could not "
+                    f"prove it is the NIXL agent {self.producer}",
+                )
+            channel.send(
+                sock,
+                Proof(
+                    proof=channel.proof(
+                        secret, "reader", (challenge.nonce, nonce), self.producer, name
+                    )
+                ),
+            )
+            welcome, _ = channel.recv(sock, channel.WELCOME)
+        except TimeoutError as e:
+            raise SameHostUnavailable(
+                Fallback.TIMEOUT, f"the producer did not answer in time ({e})"
+            ) from e
+        except ConnectionError as e:
+            raise SameHostUnavailable(
+                Fallback.REFUSED, f"the producer closed the channel ({e})"
+            ) from e
+        except OSError as e:
+            raise SameHostUnavailable(Fallback.SETUP, f"{where}: {e}") from e
+        if welcome is None:
+            raise SameHostUnavailable(
+                Fallback.REFUSED, "the producer refused this reader's proof"
+            )
+
+    # -- channel --------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._follow()
+        except (OSError, VmmError) as e:
+            self.error = e
+            logger.error(
+                "Same-host KV channel of %s: %s; reads go through NIXL/UCX",
+                self.producer,
+                e,
+            )
+        finally:
+            # The producer is gone, detached us, or the channel broke:
+            # nothing may be read through our mappings any more; drop them
+            # (after the copies using them), then close so the producer knows.
+            with self._cond:
+                self.alive = False
+                ids = list(self._mapped)
+                self._cond.notify_all()  # syncs waiting
+            try:
+                self._drop(ids)
+            finally:
+                self.sock.close()
+
+    def _follow(self) -> None:
+        """Handle the producer's messages until the channel ends."""
+        while True:
+            try:
+                msg, fds = channel.recv(
+                    self.sock, channel.FROM_PRODUCER, channel.MAX_FDS_PER_MESSAGE
+                )
+            except TimeoutError:
+                continue  # idle
+            if msg is None:
+                return
+            match msg:
+                case Add(chunks=rows):
+                    self._map(rows, fds)
+                case Drop(ids=ids):
+                    self._drop(ids)
+                    with self._send_lock:
+                        channel.send(self.sock, Dropped(ids=ids))
+                case Synced(seq=seq):
+                    with self._cond:
+                        self._sync_answered = max(self._sync_answered, seq)
+                        self._cond.notify_all()
+
+    def _map(self, rows: list[tuple[int, int, int, int]], fds: list[int]) -> None:
+        try:
+            for (chunk_id, remote_va, nbytes, offset), fd in zip(rows, fds):
+                with self._cond:
+                    if chunk_id in self._mapped:
+                        raise channel.ChannelProtocolError(
+                            f"chunk {chunk_id} shared twice"
+                        )
+                chunk = self.backend.import_chunk(fd, offset, nbytes)
+                with self._cond:
+                    self._mapped[chunk_id] = _Mapped(remote_va, chunk)
+                    self._index = None
+        finally:
+            channel.close_fds(fds)
+
+    def _drop(self, ids: Iterable[int]) -> None:
+        with self._cond:
+            victims = [self._mapped[i] for i in ids if i in self._mapped]
+            for m in victims:
+                m.dropping = True
+            self._index = None
+            # The copies that pin them run on this process's threads or
+            # device, and end.
+            while any(m.pins for m in victims):
+                self._cond.wait()
+            for i in ids:
+                self._mapped.pop(i, None)
+        for m in victims:
+            self.backend.unmap_import(m.chunk)
+
+    def sync(self, timeout_s: float = channel.SYNC_TIMEOUT_S) -> bool:
+        """Wait until every chunk the producer sent before now is mapped
+        (or dropped); False if the channel closed or the producer did not
+        answer within ``timeout_s``."""
+        with self._cond:
+            if not self.alive:
+                return False
+            self._sync_asked += 1
+            seq = self._sync_asked
+        try:
+            with self._send_lock:
+                channel.send(self.sock, Sync(seq=seq))
+        except OSError:
+            return False
+        with self._cond:
+            return (
+                self._cond.wait_for(
+                    lambda: self._sync_answered >= seq or not self.alive, timeout_s
+                )
+                and self.alive
+            )
+
+    @property
+    def num_mapped(self) -> int:
+        with self._cond:
+            return len(self._mapped)
+
+    # -- reads ----------------------------------------------------------
+    def pin(self, remote_rows: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
+        """Local addresses of ``(addr, len, ...)`` rows of the producer's
+        memory and the chunks they lie in, pinned (:meth:`unpin`) so a drop
+        waits; None unless every row lies inside one mapped chunk."""
+        with self._cond:
+            if not self.alive:
+                return None
+            if self._index is None:
+                live = sorted(
+                    (m.remote_va, m.chunk.nbytes, m.chunk.addr, i)
+                    for i, m in self._mapped.items()
+                    if not m.dropping
+                )
+                self._index = (
+                    np.array([r[0] for r in live], dtype=np.uint64),
+                    np.array([r[0] + r[1] for r in live], dtype=np.uint64),
+                    np.array([r[2] for r in live], dtype=np.uint64),
+                    [r[3] for r in live],
+                )
+            starts, ends, addrs, ids = self._index
+            if not len(starts):
+                return None
+            src = remote_rows[:, 0].astype(np.uint64)
+            idx = np.searchsorted(starts, src, side="right").astype(np.int64) - 1
+            ok = (idx >= 0) & (
+                src + remote_rows[:, 1].astype(np.uint64) <= ends[np.maximum(idx, 0)]
+            )
+            if not ok.all():
+                return None
+            used = [ids[i] for i in np.unique(idx).tolist()]
+            for i in used:
+                self._mapped[i].pins += 1
+            return src - starts[idx] + addrs[idx], used
+
+    def unpin(self, ids: list[int]) -> None:
+        with self._cond:
+            for i in ids:
+                self._mapped[i].pins -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Drop everything and close the channel (the producer sees EOF)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=30)
