@@ -64,12 +64,13 @@ def _run(model: Path, backend: str, page_limit: int | None = None,
             outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[0]], params)
             ids += [list(o.outputs[0].token_ids) for o in outs]
             stats.append(llm.collective_rpc(_worker_stats))
-            # The limit in bytes: 64 pages' worth plus less than a page, rounded down.
+            # The limit in bytes: 3 pages' worth plus less than a page, rounded down.
             page_bytes = pages["kv_page_bytes"]
             raised = llm.set_kv_cache_page_limit(
-                max_bytes=64 * page_bytes + page_bytes // 2)
-            assert raised["kv_limit_bytes"] == 64 * page_bytes
-            stats.append([raised])
+                max_bytes=3 * page_bytes + page_bytes // 2)
+            assert raised["kv_limit_bytes"] == 3 * page_bytes
+            # 64 pages' worth is beyond the KV cache: the limit is its capacity.
+            stats.append([raised, llm.set_kv_cache_page_limit(max_bytes=64 * page_bytes)])
         return ids, stats
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -142,7 +143,10 @@ def test_vmm_token_ids_match_default_memory_follows_load_and_limit(kv_model):
     # Under the lowered limit, the rerun never mapped more than 2 pages.
     assert stats[5][0]["kv_mapped_bytes"] <= 2 * page
     assert stats[5][0]["kv_pages_mapped_total"] == stats[4][0]["kv_pages_mapped_total"]
-    assert stats[6][0]["kv_page_limit"] == 64
+    assert stats[6][0]["kv_page_limit"] == 3
+    capacity = stats[6][1]["kv_page_capacity"]
+    assert capacity < 64 and stats[6][1]["kv_page_limit"] == capacity
+    assert stats[6][1]["kv_limit_bytes"] == capacity * stats[6][1]["kv_page_bytes"]
 
 
 def test_vmm_burst_beyond_the_mapped_pages_in_one_step(kv_model):

@@ -171,7 +171,7 @@ def test_two_engines_share_the_host_ledger(kv_model, reference_ids, ledger_dir):
 
 
 def _page_bytes(worker) -> int:
-    return worker.model_runner.kv_page_mapper.policy.page_bytes
+    return worker.model_runner.kv_page_mapper.policy.device_page_bytes
 
 
 def test_busy_engine_gives_back_its_peak(tmp_path, ledger_dir, monkeypatch):

@@ -23,6 +23,7 @@ def _stats(pages: int, limit: int = 10, mapped: int = 4, unmapped: int = 1):
         mapped_pages=pages,
         page_limit=limit,
         mapped_bytes=pages << 21,
+        limit_bytes=limit << 21,
         pages_mapped_total=mapped,
         pages_unmapped_total=unmapped,
     )
@@ -34,6 +35,7 @@ def test_sum_of_engines():
         mapped_pages=8,
         page_limit=30,
         mapped_bytes=8 << 21,
+        limit_bytes=30 << 21,
         pages_mapped_total=11,
         pages_unmapped_total=2,
     )
@@ -57,7 +59,10 @@ def test_aggregated_logger_reports_every_engine():
         [_stats(3), _stats(5)]
     )
     fmt, args = kv_page_log_part(stat_logger.last_scheduler_stats.kv_page_stats)
-    assert fmt % tuple(args) == "KV pages mapped: 8/20 (0.02 GiB), +8/-2 since start"
+    assert (
+        fmt % tuple(args)
+        == "KV pages mapped: 8/20 (0.02 GiB per device), +8/-2 since start"
+    )
 
 
 def test_prometheus_exposition_names_and_values():
@@ -89,6 +94,7 @@ def test_prometheus_exposition_names_and_values():
     assert value("vllm:kv_cache_vmm_mapped_pages", "0") == 2
     assert value("vllm:kv_cache_vmm_mapped_bytes", "0") == 2 << 21
     assert value("vllm:kv_cache_vmm_page_limit", "1") == 20
+    assert value("vllm:kv_cache_vmm_limit_bytes", "1") == 20 << 21
     assert value("vllm:kv_cache_vmm_page_maps_total", "0") == 6
     assert value("vllm:kv_cache_vmm_page_unmaps_total", "0") == 4
     assert value("vllm:kv_cache_vmm_page_maps_total", "1") == 7
@@ -100,6 +106,7 @@ def test_prometheus_exposition_names_and_values():
     }
     assert exposed == {
         "vllm:kv_cache_vmm_mapped_bytes",
+        "vllm:kv_cache_vmm_limit_bytes",
         "vllm:kv_cache_vmm_mapped_pages",
         "vllm:kv_cache_vmm_page_limit",
         "vllm:kv_cache_vmm_page_maps_total",

@@ -77,14 +77,20 @@ def test_chunk_floor_keeps_a_small_cache_elastic():
     assert kv_page_multiple(vmm(), [UNIT], 10, floor) == 1
 
 
-def test_explicit_page_bytes_round_up_on_the_largest_rank():
-    # Pipeline ranks with 36 and 24 layers: the page is at least the asked
-    # size on the larger one.
+def test_explicit_page_bytes_are_per_device():
+    # Pipeline ranks with 36 and 24 layers on a GPU each: the page is at
+    # least the asked size on the larger one.
     small = KVPageGeometry(LAYERS[:24], num_blocks=32, granularity=2 * MiB)
     config = vmm(kv_cache_vmm_page_bytes=1 << 30)
-    assert kv_page_multiple(config, [small, UNIT], 1000, KV_PAGE_MIN_CHUNK_BYTES) == (
-        -(-1024 // 144)
-    )
+    gpus = ["GPU-0", "GPU-1"]
+    assert kv_page_multiple(
+        config, [small, UNIT], 1000, KV_PAGE_MIN_CHUNK_BYTES, device_keys=gpus
+    ) == -(-1024 // 144)
+    # Both ranks on the host device (the CPU engine): their units add up there.
+    assert kv_page_multiple(config, [small, UNIT], 1000, 0) == -(-1024 // (96 + 144))
+    assert kv_page_multiple(
+        config, [small, UNIT], 1000, 0, device_keys=["host", "host"]
+    ) == -(-1024 // (96 + 144))
     # An explicit size wins over the floor, small pages included.
     assert kv_page_multiple(vmm(kv_cache_vmm_page_bytes=1), [UNIT], 1000, 16 * MiB) == 1
 

@@ -11,6 +11,7 @@ from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
     make_block_hash_with_group_id,
 )
+from vllm.v1.kv_vmm import scheduler as scheduler_module
 from vllm.v1.kv_vmm.pages import (
     KVPageOps,
     KVPagePolicy,
@@ -351,12 +352,14 @@ def test_a_step_refills_at_most_what_it_handed_out():
 
 def test_the_limit_in_bytes_is_rounded_down_to_whole_pages():
     pool = make_pool(num_blocks=64)
-    pool.policy.page_bytes = 8 << 20
-    pool.set_page_limit(max_bytes=(5 << 23) + (1 << 20))
+    pool.policy.device_page_bytes = 8 << 20
+    stats = pool.set_page_limit(max_bytes=(5 << 23) + (1 << 20))
     assert pool.policy.max_pages == 5
-    stats = pool.page_stats()
+    assert stats == pool.page_stats()
     assert stats["kv_limit_bytes"] == 5 << 23 and stats["kv_page_bytes"] == 8 << 20
     assert stats["kv_mapped_bytes"] == stats["kv_pages_mapped"] * (8 << 20)
+    assert stats["kv_page_capacity"] == 16
+    assert stats["kv_capacity_bytes"] == 16 * (8 << 20)
     pool.set_page_limit(max_pages=3)
     assert pool.policy.max_pages == 3
     with pytest.raises(ValueError, match="less than one page"):
@@ -366,6 +369,48 @@ def test_the_limit_in_bytes_is_rounded_down_to_whole_pages():
     with pytest.raises(ValueError, match="not neither"):
         pool.set_page_limit()
     assert pool.policy.max_pages == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_pages": 0}, "max_pages must be at least 1"),
+        ({"max_pages": -2}, "max_pages must be at least 1"),
+        ({"max_bytes": 0}, "max_bytes must be at least 1"),
+        ({"max_bytes": -(8 << 20)}, "max_bytes must be at least 1"),
+        ({"max_pages": True}, "max_pages must be a whole number of pages"),
+        ({"max_bytes": 1.5}, "max_bytes must be a whole number of bytes per device"),
+        ({"max_pages": "4"}, "max_pages must be a whole number of pages"),
+    ],
+)
+def test_bad_limits_are_refused_and_change_nothing(kwargs, message):
+    pool = make_pool(num_blocks=64)
+    pool.policy.device_page_bytes = 8 << 20
+    with pytest.raises(ValueError, match=message):
+        pool.set_page_limit(**kwargs)
+    assert pool.policy.max_pages == 16
+
+
+def test_a_limit_beyond_the_capacity_is_lowered_to_it(monkeypatch):
+    # 30 blocks: 8 pages, the last one partial; a limit beyond them is the
+    # capacity, with a warning (the same for the flag and the runtime limit).
+    pool = make_pool(num_blocks=30, max_pages=4)
+    pool.policy.device_page_bytes = 8 << 20
+    warnings: list[tuple] = []
+    monkeypatch.setattr(
+        scheduler_module.logger, "warning", lambda *a: warnings.append(a)
+    )
+    stats = pool.set_page_limit(max_bytes=1 << 40)
+    assert pool.policy.max_pages == 8
+    assert stats["kv_page_limit"] == stats["kv_page_capacity"] == 8
+    assert stats["kv_limit_bytes"] == stats["kv_capacity_bytes"] == 8 * (8 << 20)
+    assert len(warnings) == 1 and "capacity" in warnings[0][0]
+    pool.set_max_pages(9)
+    assert pool.policy.max_pages == 8 and len(warnings) == 2
+    # Every block, the last page's included, can be handed out under it.
+    assert pool.get_num_free_blocks() == 29
+    pool.set_max_pages(8)
+    assert len(warnings) == 2
 
 
 @requires_vmm_kv_wiring

@@ -58,7 +58,7 @@ def make_pool(
         headroom_pages=1,
         shrink="idle",
         shrink_delay_s=0.0,
-        page_bytes=PAGE,
+        device_page_bytes=PAGE,
         ahead_blocks=ahead_blocks,
         page_status_path=status.path,
         num_ranks=num_ranks,

@@ -110,7 +110,7 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
     policy = make_kv_page_policy(cache_config, [config])
     # 2 MiB in each half of a K/V split layer: 256 blocks of 16 KiB.
     assert policy.blocks_per_page == 256
-    assert policy.page_bytes == 256 * 2 * SPEC.page_size_bytes
+    assert policy.device_page_bytes == 256 * 2 * SPEC.page_size_bytes
     config.kv_page_policy = policy
 
     # l0 is split K/V, l1 block-outermost: a page is the same block ids in both.
@@ -125,7 +125,7 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
             "l1": raw["l1"].view(torch.float16).view(num_virtual, 2, 16, 4, 64),
         }
         assert {mapper.table.is_mapped(p) for p in range(2)} == {True}
-        assert mapper.mapped_bytes == 2 * policy.page_bytes
+        assert mapper.mapped_bytes == 2 * policy.device_page_bytes
 
         def backed(block: int) -> set[bool]:
             return {
@@ -146,11 +146,11 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
         views["l1"][999, 1].fill_(5.0)
         assert views["l0"][1, 999].sum().item() == 3.0 * 16 * 4 * 64
         assert views["l1"][999, 1].sum().item() == 5.0 * 16 * 4 * 64
-        assert mapper.mapped_bytes == 3 * policy.page_bytes
+        assert mapper.mapped_bytes == 3 * policy.device_page_bytes
 
         mapper.apply(KVPageOps(unmap=[3]))
         assert backed(999) == {False}
-        assert mapper.mapped_bytes == 2 * policy.page_bytes
+        assert mapper.mapped_bytes == 2 * policy.device_page_bytes
         assert mapper.stats()["kv_pages_unmapped_total"] == 1
 
         # Pages mapped ahead: not before the forward pass (apply), only
@@ -161,7 +161,7 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
         mapper.apply_ahead(ahead)
         assert backed(512) == {True} and backed(999) == {False}
         assert mapper.stats()["kv_pages_mapped_ahead_total"] == 1
-        assert mapper.mapped_bytes == 3 * policy.page_bytes
+        assert mapper.mapped_bytes == 3 * policy.device_page_bytes
 
         # With a connector registering segments, the step's ahead pages are
         # mapped (and registered) before its forward pass, with its own.
@@ -196,7 +196,7 @@ def test_with_a_page_report_pages_are_mapped_ahead_on_a_thread_of_their_own():
     config.kv_page_policy = policy
     _, mapper = allocate_vmm_kv_tensors(config, torch.device("cpu"), {"l0": 2, "l1": 1})
     try:
-        page = policy.page_bytes
+        page = policy.device_page_bytes
         backend = mapper.table.backend
         real_create = backend.create
         go = threading.Event()

@@ -15,7 +15,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 def kv_page_log_part(stats: KVPageStats) -> tuple[str, list[float]]:
     """Format and arguments of the log line's KV page part."""
     return (
-        "KV pages mapped: %d/%d (%.2f GiB), +%d/-%d since start",
+        "KV pages mapped: %d/%d (%.2f GiB per device), +%d/-%d since start",
         [
             stats.mapped_pages,
             stats.page_limit,
@@ -71,8 +71,9 @@ class KVPagePrometheusMetrics:
         self.mapped_bytes = per_engine(
             gauge_cls(
                 name="vllm:kv_cache_vmm_mapped_bytes",
-                documentation="Physical KV cache memory mapped, summed over "
-                "the engine's ranks (--kv-cache-memory-backend vmm).",
+                documentation="KV cache memory mapped, in bytes per device (on "
+                "the device that holds the most of the engine's KV cache) "
+                "(--kv-cache-memory-backend vmm).",
                 multiprocess_mode="mostrecent",
                 labelnames=labelnames,
             )
@@ -90,6 +91,17 @@ class KVPagePrometheusMetrics:
             gauge_cls(
                 name="vllm:kv_cache_vmm_page_limit",
                 documentation="Physical limit of the KV cache in pages "
+                "(--kv-cache-memory-backend vmm).",
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+        )
+        self.limit_bytes = per_engine(
+            gauge_cls(
+                name="vllm:kv_cache_vmm_limit_bytes",
+                documentation="Physical limit of the KV cache in bytes per device "
+                "(the page limit times the bytes of a page on the device that "
+                "holds the most of the engine's KV cache) "
                 "(--kv-cache-memory-backend vmm).",
                 multiprocess_mode="mostrecent",
                 labelnames=labelnames,
@@ -123,7 +135,7 @@ class KVPagePrometheusMetrics:
             gauge_cls(
                 name="vllm:kv_cache_vmm_floor_bytes",
                 documentation="KV cache memory reserved for the engine in its "
-                "devices' ledgers (--kv-cache-vmm-shared).",
+                "devices' ledgers, in bytes per device (--kv-cache-vmm-shared).",
                 multiprocess_mode="mostrecent",
                 labelnames=labelnames,
             )
@@ -147,6 +159,7 @@ class KVPagePrometheusMetrics:
         self.mapped_bytes[engine_idx].set(stats.mapped_bytes)
         self.mapped_pages[engine_idx].set(stats.mapped_pages)
         self.page_limit[engine_idx].set(stats.page_limit)
+        self.limit_bytes[engine_idx].set(stats.limit_bytes)
         mapped, unmapped, failures = self._last.get(engine_idx, (0, 0, 0))
         self.page_maps[engine_idx].inc(stats.pages_mapped_total - mapped)
         self.page_unmaps[engine_idx].inc(stats.pages_unmapped_total - unmapped)

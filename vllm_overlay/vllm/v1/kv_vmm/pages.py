@@ -13,18 +13,23 @@ waits for every rank's report of them, on a thread of their own). No rank
 guesses the world size.
 """
 
+import copy
 import math
 import os
+from argparse import ArgumentTypeError
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
 
-from vllm.v1.kv_cache_compat import kv_tensors_share_one_backing
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_compat import kv_tensors_share_one_backing, parse_size
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 
 if TYPE_CHECKING:
-    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.config import ModelConfig, SchedulerConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
 
 #: Granularity of the page arithmetic. 2 MiB is the host backend's default
 #: and the CUDA VMM granularity of current data-center GPUs; the worker
@@ -48,6 +53,37 @@ KV_PAGE_MIN_COUNT = 16
 
 KVPageShrinkPolicy = Literal["idle", "never"]
 
+#: The ledger key of the host backend's memory (every rank of a CPU engine).
+HOST_DEVICE_KEY = "host"
+
+
+class KVVmmOptions(Protocol):
+    """What VMM-backed KV memory reads of vLLM's ``CacheConfig``: the options
+    the VMM patch adds to it (``--kv-cache-memory-backend``,
+    ``--kv-cache-vmm-*``) and ``--gpu-memory-utilization``.
+
+    The patch passes its ``CacheConfig``, which the type checker matches
+    field by field against this protocol; these modules are the same on
+    every release, including releases that carry them without the patch
+    (and whose ``CacheConfig`` has none of these fields).
+
+    Byte sizes are bytes of KV memory per device (see
+    :attr:`KVPagePolicy.device_page_bytes`).
+    """
+
+    gpu_memory_utilization: float
+    kv_cache_memory_backend: Literal["default", "vmm"]
+    kv_cache_vmm_headroom_pages: int
+    kv_cache_vmm_page_bytes: int | None
+    kv_cache_vmm_max_pages: int | None
+    kv_cache_vmm_shrink: KVPageShrinkPolicy
+    kv_cache_vmm_shrink_delay: float
+    kv_cache_vmm_shared: bool
+    kv_cache_vmm_shared_bytes: int | None
+    kv_cache_vmm_floor_bytes: int | None
+    kv_cache_vmm_limit_bytes: int | None
+    kv_cache_vmm_shared_group: str | None
+
 
 @dataclass
 class KVPagePolicy:
@@ -65,9 +101,14 @@ class KVPagePolicy:
     shrink_delay_s: float = 10.0
     """With shrink "idle": seconds the pool must stay idle before free pages
     beyond the headroom are given back (0 = at once)."""
-    page_bytes: int = 0
-    """Physical bytes one page takes, summed over the engine's ranks (for
-    the mapped-bytes metric; 0 when unknown)."""
+    device_page_bytes: int = 0
+    """Bytes one page takes on the device that holds the most of this
+    engine's KV memory (0 when unknown): with one rank per GPU, the largest
+    rank's share; where several ranks share a device (the host backend's
+    ``host``), the sum of theirs. The unit of every byte figure of VMM-backed
+    KV memory (the options, the runtime limit, the page counters, the
+    metrics, and each device's ledger): a limit of ``n`` bytes is
+    ``n // device_page_bytes`` pages."""
     ahead_blocks: int = 0
     """Free blocks the scheduler keeps mapped while requests run: the most
     one step can allocate, so that a step never waits for a page map in
@@ -135,14 +176,18 @@ class KVPageStats:
     mapped_pages: int
     page_limit: int
     mapped_bytes: int
-    """Physical KV memory mapped now, summed over the engine's ranks."""
+    """KV memory mapped now, in bytes per device (the device that holds the
+    most of this engine's KV memory)."""
     pages_mapped_total: int
     """Pages mapped since startup (the startup mapping included)."""
     pages_unmapped_total: int
     map_failures_total: int = 0
     """Pages a rank could not map (the device had no memory for them)."""
     floor_bytes: int = 0
-    """With a device ledger: this engine's floor, summed over devices."""
+    """With a device ledger: this engine's floor, in bytes per device (on
+    the device that holds the most of its KV memory)."""
+    limit_bytes: int = 0
+    """The page limit in bytes per device."""
     ledger: dict[str, Any] | None = None
     """With a device ledger: each device's ledger as the engine last read
     it (``LedgerState.to_json()`` per device key)."""
@@ -156,20 +201,39 @@ class KVPageStats:
 KV_SPLIT_REGIONS = 2
 
 
-def _backing_tensors(kv_cache_config: "KVCacheConfig") -> list[Any]:
-    # The fields of a shared backing (offset, layers, layer_stride,
-    # block_stride, host_resident) exist only on releases that have one; this
-    # module is the same for every release, so they are read untyped.
-    return list(kv_cache_config.kv_cache_tensors)
+class KVBackingTensor(Protocol):
+    """A ``KVCacheTensor`` of releases that place all KV tensors of a rank in
+    one backing allocation (vLLM 0.32 and later): where its layers lie in
+    that allocation. Releases before have only ``size`` and ``shared_by``."""
+
+    size: int
+    layers: list[str]
+    layer_stride: int
+    block_stride: int
+    offset: int
+    host_resident: bool
 
 
-def _vmm_options(cache_config: "CacheConfig") -> Any:
-    # The --kv-cache-vmm-* options come with the patch that adds the VMM
-    # backend; releases that carry only these modules have no such fields.
-    return cache_config
+def _is_backing(tensors: Sequence[object]) -> TypeGuard[Sequence[KVBackingTensor]]:
+    return all(
+        hasattr(t, name)
+        for t in tensors
+        for name in ("offset", "layers", "layer_stride", "block_stride")
+    )
 
 
-def verify_vmm_kv_config(vllm_config: "VllmConfig") -> None:
+def _backing_tensors(
+    kv_cache_config: "KVCacheConfig",
+) -> Sequence[KVBackingTensor]:
+    tensors = kv_cache_config.kv_cache_tensors
+    if not _is_backing(tensors):
+        raise _unsupported(kv_cache_config)
+    return tensors
+
+
+def verify_vmm_kv_config(
+    options: KVVmmOptions, model_config: "ModelConfig | None"
+) -> None:
     """Refuse, at config time, what VMM-backed KV memory cannot honour.
 
     Sleep mode frees the KV cache by allocating it inside the cumem
@@ -178,9 +242,8 @@ def verify_vmm_kv_config(vllm_config: "VllmConfig") -> None:
     the KV page table, outside any allocator pool, so a sleeping engine would
     keep all of its mapped KV pages: sleep would silently free nothing.
     """
-    if _vmm_options(vllm_config.cache_config).kv_cache_memory_backend != "vmm":
+    if options.kv_cache_memory_backend != "vmm":
         return
-    model_config = vllm_config.model_config
     if model_config is not None and model_config.enable_sleep_mode:
         raise ValueError(
             "--kv-cache-memory-backend vmm cannot be combined with "
@@ -309,18 +372,16 @@ def virtual_kv_cache_config(
             return nbytes
         return (nbytes // old_region) * new_region + nbytes % old_region
 
-    tensors = [
-        replace(
-            t,
-            size=geometry.tensor_bytes[0],
-            offset=rescale(t.offset),
-            layer_stride=rescale(t.layer_stride),
-        )
-        for t in _backing_tensors(kv_cache_config)
-    ]
-    return replace(
-        kv_cache_config, num_blocks=geometry.num_blocks, kv_cache_tensors=tensors
+    config = replace(
+        kv_cache_config,
+        num_blocks=geometry.num_blocks,
+        kv_cache_tensors=[copy.copy(t) for t in kv_cache_config.kv_cache_tensors],
     )
+    for t in _backing_tensors(config):  # the copies
+        t.size = geometry.tensor_bytes[0]
+        t.offset = rescale(t.offset)
+        t.layer_stride = rescale(t.layer_stride)
+    return config
 
 
 def initial_kv_pages(policy: KVPagePolicy) -> list[int]:
@@ -347,23 +408,52 @@ def kv_step_blocks(
     return sum(-(-max_num_batched_tokens // bs) + num_reqs for bs in block_sizes)
 
 
+def kv_device_bytes(
+    rank_bytes: Sequence[int], device_keys: Sequence[str] | None = None
+) -> dict[str, int]:
+    """Bytes per device of a per-rank figure: the ranks on one device summed.
+
+    ``device_keys``: each rank's device (a device UUID, ``host`` for the host
+    backend); None: every rank on the host device, as with the CPU engine.
+    """
+    if device_keys is None:
+        device_keys = [HOST_DEVICE_KEY] * len(rank_bytes)
+    if len(device_keys) != len(rank_bytes):
+        raise ValueError(f"{len(device_keys)} device keys for {len(rank_bytes)} ranks")
+    devices: dict[str, int] = {}
+    for key, nbytes in zip(device_keys, rank_bytes):
+        devices[key] = devices.get(key, 0) + nbytes
+    return devices
+
+
 def kv_page_multiple(
-    cache_config: "CacheConfig",
+    options: KVVmmOptions,
     unit_geometries: "list[KVPageGeometry]",
     budget_units: int,
     min_chunk_bytes: int,
+    device_keys: Sequence[str] | None = None,
 ) -> int:
-    """How many smallest mappable units make one page."""
+    """How many smallest mappable units make one page.
+
+    ``unit_geometries``: one per rank; ``device_keys``: each rank's device
+    (see :func:`kv_device_bytes`), for ``--kv-cache-vmm-page-bytes``, which
+    is in bytes per device.
+    """
     # One unit per rank: its geometry's pages times pages_per_segment.
-    page_bytes = _vmm_options(cache_config).kv_cache_vmm_page_bytes
+    page_bytes = options.kv_cache_vmm_page_bytes
     if page_bytes is not None:
-        # At least the asked size on the rank with the largest share.
-        largest = max(g.page_bytes * g.pages_per_segment for g in unit_geometries)
+        # At least the asked size on the device with the largest share.
+        largest = max(
+            kv_device_bytes(
+                [g.page_bytes * g.pages_per_segment for g in unit_geometries],
+                device_keys,
+            ).values()
+        )
         multiple = max(1, -(-page_bytes // largest))
         if multiple > budget_units:
             raise ValueError(
                 f"--kv-cache-vmm-page-bytes {page_bytes} is larger than the KV "
-                f"cache ({budget_units * largest} bytes on the largest rank); "
+                f"cache ({budget_units * largest} bytes per device); "
                 "give a smaller page size or leave it unset"
             )
         return multiple
@@ -374,8 +464,117 @@ def kv_page_multiple(
     return max(1, min(multiple, budget_units // KV_PAGE_MIN_COUNT))
 
 
+def _check_one_of(max_pages: object, max_bytes: object) -> None:
+    if (max_pages is None) == (max_bytes is None):
+        raise ValueError(
+            "give the KV cache limit either in pages (max_pages) or in bytes "
+            "per device (max_bytes), not "
+            f"{'both' if max_pages is not None else 'neither'}"
+        )
+
+
+def kv_page_limit_arguments(
+    max_pages: int | None = None, max_bytes: int | None = None
+) -> tuple[int | None, int | None]:
+    """Check the arguments of a runtime page limit before they reach the
+    engine: exactly one of the two, each a whole number of at least 1
+    (``max_bytes`` in bytes per device). Returns them; raises ``ValueError``
+    naming the problem and the fix.
+
+    Whether ``max_bytes`` is at least one page, and whether the limit is
+    beyond the KV cache's capacity, only the engine knows
+    (``PagedBlockPool.set_page_limit``)."""
+    _check_one_of(max_pages, max_bytes)
+    for name, value, unit in (
+        ("max_pages", max_pages, "pages"),
+        ("max_bytes", max_bytes, "bytes per device"),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be a whole number of {unit}, not {value!r}")
+        if value < 1:
+            raise ValueError(
+                f"{name} must be at least 1 (the KV cache keeps the null "
+                f"block's page mapped); got {value}"
+            )
+    return max_pages, max_bytes
+
+
+def parse_kv_page_limit(
+    max_pages: str | None = None, max_bytes: str | None = None
+) -> tuple[int | None, int | None]:
+    """The query of ``POST /kv_cache/page_limit``, checked as
+    :func:`kv_page_limit_arguments` checks the Python API's arguments:
+    ``max_pages`` a whole number, ``max_bytes`` a size in bytes per device as
+    vLLM's own options read it (``8589934592``, ``8G`` = 8 GiB, ``8g`` =
+    8 * 10^9 bytes). Raises ``ValueError`` with the message for the client."""
+    _check_one_of(max_pages, max_bytes)
+    pages = nbytes = None
+    if max_pages is not None:
+        try:
+            pages = int(max_pages)
+        except ValueError:
+            raise ValueError(
+                f"max_pages must be a whole number of pages, not {max_pages!r}"
+            ) from None
+    if max_bytes is not None:
+        try:
+            nbytes = parse_size(max_bytes)
+        except (ValueError, ArgumentTypeError):
+            raise ValueError(
+                "max_bytes must be a size in bytes per device (e.g. 8589934592, "
+                f"8G = 8 GiB, 8g = 8*10^9 bytes), not {max_bytes!r}"
+            ) from None
+    return kv_page_limit_arguments(pages, nbytes)
+
+
+def kv_page_limit_result(result: dict[str, int] | str) -> dict[str, int]:
+    """The engine core's answer to a runtime page limit: the page counters,
+    or (a str) why it refused the limit, raised here as ``ValueError`` (over
+    a process boundary a utility call's exception would reach the client as
+    a bare ``Exception``)."""
+    if isinstance(result, str):
+        raise ValueError(result)
+    return result
+
+
+def _limit_pages(
+    max_pages: int | None,
+    limit_bytes: int | None,
+    device_page_bytes: int,
+    capacity_pages: int,
+    default_pages: int,
+) -> int:
+    """The page limit of ``--kv-cache-vmm-max-pages`` and
+    ``--kv-cache-vmm-limit-bytes`` (the smaller of the two; the KV budget
+    without either). A limit beyond the KV cache's capacity is lowered to it,
+    with a warning, as the runtime limit is; one below a page is refused."""
+    pages = default_pages if max_pages is None else max_pages
+    if limit_bytes is not None:
+        if limit_bytes < device_page_bytes:
+            raise ValueError(
+                f"--kv-cache-vmm-limit-bytes {limit_bytes} is less than one KV "
+                f"cache page ({device_page_bytes} bytes per device); give at "
+                f"least {device_page_bytes} or leave it unset"
+            )
+        pages = min(pages, limit_bytes // device_page_bytes)
+    if pages > capacity_pages:
+        logger.warning(
+            "KV page limit of %d pages (--kv-cache-vmm-max-pages / "
+            "--kv-cache-vmm-limit-bytes) is beyond the KV cache's capacity "
+            "of %d pages (%d bytes per device); the limit is %d pages",
+            pages,
+            capacity_pages,
+            capacity_pages * device_page_bytes,
+            capacity_pages,
+        )
+        pages = capacity_pages
+    return pages
+
+
 def make_kv_page_policy(
-    cache_config: "CacheConfig",
+    options: KVVmmOptions,
     kv_cache_configs: "list[KVCacheConfig]",
     granularity: int = KV_PAGE_GRANULARITY,
     min_chunk_bytes: int = 0,
@@ -389,7 +588,8 @@ def make_kv_page_policy(
     given, otherwise enough for physical allocations of ``min_chunk_bytes``
     per tensor region while the budget holds at least
     :data:`KV_PAGE_MIN_COUNT` pages. ``ahead_blocks``: see
-    :attr:`KVPagePolicy.ahead_blocks`.
+    :attr:`KVPagePolicy.ahead_blocks`. ``device_keys``: each rank's device
+    (see :func:`kv_device_bytes`), which byte figures are counted per.
     """
     unit = math.lcm(
         *(kv_page_geometry(c, granularity).blocks_per_page for c in kv_cache_configs)
@@ -397,22 +597,21 @@ def make_kv_page_policy(
     num_blocks = min(c.num_blocks for c in kv_cache_configs)
     unit_geometries = [kv_page_geometry(c, granularity, unit) for c in kv_cache_configs]
     blocks_per_page = unit * kv_page_multiple(
-        cache_config, unit_geometries, num_blocks // unit, min_chunk_bytes
+        options, unit_geometries, num_blocks // unit, min_chunk_bytes, device_keys
     )
-    budget_pages = max(1, num_blocks // blocks_per_page)
-    options = _vmm_options(cache_config)
-    max_pages = options.kv_cache_vmm_max_pages
-    if max_pages is None:
-        max_pages = budget_pages
     rank_page_bytes = []
     for config in kv_cache_configs:
         geometry = kv_page_geometry(config, granularity, blocks_per_page)
         rank_page_bytes.append(geometry.page_bytes * geometry.pages_per_segment)
-    page_bytes = sum(rank_page_bytes)
-    limit_bytes = getattr(options, "kv_cache_vmm_limit_bytes", None)
-    if limit_bytes is not None:
-        # A limit in bytes, on the rank with the largest share.
-        max_pages = min(max_pages, max(1, limit_bytes // max(rank_page_bytes)))
+    devices = kv_device_bytes(rank_page_bytes, device_keys)
+    device_page_bytes = max(devices.values())
+    max_pages = _limit_pages(
+        options.kv_cache_vmm_max_pages,
+        options.kv_cache_vmm_limit_bytes,
+        device_page_bytes,
+        capacity_pages=-(-num_blocks // blocks_per_page),
+        default_pages=max(1, num_blocks // blocks_per_page),
+    )
     return KVPagePolicy(
         granularity=granularity,
         blocks_per_page=blocks_per_page,
@@ -420,49 +619,45 @@ def make_kv_page_policy(
         headroom_pages=options.kv_cache_vmm_headroom_pages,
         shrink=options.kv_cache_vmm_shrink,
         shrink_delay_s=options.kv_cache_vmm_shrink_delay,
-        page_bytes=page_bytes,
+        device_page_bytes=device_page_bytes,
         ahead_blocks=ahead_blocks,
         num_ranks=len(kv_cache_configs),
-        ledger=kv_ledger_options(options, rank_page_bytes, device_keys),
+        ledger=kv_ledger_options(options, devices),
     )
 
 
 def kv_ledger_options(
-    options: Any,
-    rank_page_bytes: Sequence[int],
-    device_keys: Sequence[str] | None,
+    options: KVVmmOptions, devices: dict[str, int]
 ) -> KVLedgerOptions | None:
-    """The ledger part of the policy with ``--kv-cache-vmm-shared``; the
-    ranks' devices are ``device_keys`` (one per rank, ``host`` for all when
-    None)."""
+    """The ledger part of the policy with ``--kv-cache-vmm-shared``;
+    ``devices``: the bytes of one page on each of the engine's devices."""
     if not options.kv_cache_vmm_shared:
         return None
-    if device_keys is None:
-        device_keys = ["host"] * len(rank_page_bytes)
-    devices: dict[str, int] = {}
-    for key, nbytes in zip(device_keys, rank_page_bytes):
-        devices[key] = devices.get(key, 0) + nbytes
     return KVLedgerOptions(
-        devices=devices,
+        devices=dict(devices),
         capacity_bytes=options.kv_cache_vmm_shared_bytes,
         floor_bytes=options.kv_cache_vmm_floor_bytes,
-        limit_bytes=options.kv_cache_vmm_limit_bytes,
+        # The page limit holds --kv-cache-vmm-limit-bytes already; each
+        # device's ledger shows it as pages times that device's page bytes.
+        limit_bytes=None,
         name=f"pid {os.getpid()}",
         group=options.kv_cache_vmm_shared_group,
     )
 
 
-def set_kv_page_policy(
-    cache_config: "CacheConfig",
+def kv_page_policy_for_engine(
+    options: KVVmmOptions,
     kv_cache_configs: "list[KVCacheConfig]",
     scheduler_config: "SchedulerConfig | None" = None,
 ) -> KVPagePolicy | None:
-    """Attach the policy to every KV cache config when VMM is selected.
+    """The policy the engine core gives the scheduler and every rank (the
+    caller attaches it to each rank's ``KVCacheConfig`` before the workers
+    allocate), None unless VMM is selected.
 
     With ``scheduler_config``, the scheduler keeps a step's worth of blocks
     mapped ahead of demand (:func:`kv_step_blocks`); without it, only the
     headroom."""
-    if _vmm_options(cache_config).kv_cache_memory_backend != "vmm":
+    if options.kv_cache_memory_backend != "vmm":
         return None
     from vllm.platforms import current_platform
 
@@ -476,16 +671,18 @@ def set_kv_page_policy(
                 for group in kv_cache_configs[0].kv_cache_groups
             ],
         )
-    device_keys = None
-    shared = getattr(cache_config, "kv_cache_vmm_shared", False)
-    if shared and current_platform.is_cuda():
-        # One rank per visible device, in order (a single host).
+    shared = options.kv_cache_vmm_shared
+    num_ranks = len(kv_cache_configs)
+    device_keys = [HOST_DEVICE_KEY] * num_ranks  # the host backend
+    if current_platform.is_cuda():
+        # One rank per device; with a ledger, one rank per visible device,
+        # in order (a single host), named as the ledgers are.
         device_keys = [
-            current_platform.get_device_uuid(rank)
-            for rank in range(len(kv_cache_configs))
+            current_platform.get_device_uuid(rank) if shared else f"cuda:{rank}"
+            for rank in range(num_ranks)
         ]
     policy = make_kv_page_policy(
-        cache_config,
+        options,
         kv_cache_configs,
         min_chunk_bytes=KV_PAGE_MIN_CHUNK_BYTES if current_platform.is_cuda() else 0,
         ahead_blocks=ahead_blocks,
@@ -501,12 +698,8 @@ def set_kv_page_policy(
         status = create_page_status(
             num_pages,
             tag=f"{id(policy):x}",
-            group=_vmm_options(cache_config).kv_cache_vmm_shared_group,
+            group=options.kv_cache_vmm_shared_group,
         )
         policy.page_status_path = status.path
         status.close()
-    for config in kv_cache_configs:
-        # A field of KVCacheConfig on releases with the VMM patch.
-        target: Any = config
-        target.kv_page_policy = policy
     return policy

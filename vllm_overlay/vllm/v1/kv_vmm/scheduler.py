@@ -52,6 +52,7 @@ from vllm.v1.kv_vmm.pages import (
     KVPagePolicy,
     KVPageStats,
     initial_kv_pages,
+    kv_page_limit_arguments,
 )
 
 logger = init_logger(__name__)
@@ -722,36 +723,50 @@ class PagedBlockPool(BlockPool):
 
     def set_page_limit(
         self, max_pages: int | None = None, max_bytes: int | None = None
-    ) -> None:
-        """Change the physical limit, in pages or in bytes (rounded down to
-        whole pages): exactly one of the two. See :meth:`set_max_pages`."""
-        if (max_pages is None) == (max_bytes is None):
-            raise ValueError(
-                "give the KV cache limit either in pages (max_pages) or in bytes "
-                f"(max_bytes), not {'both' if max_pages is not None else 'neither'}"
-            )
+    ) -> dict[str, int]:
+        """Change the physical limit, in pages or in bytes per device
+        (:attr:`KVPagePolicy.device_page_bytes`; rounded down to whole
+        pages): exactly one of the two. See :meth:`set_max_pages`. Returns
+        the page counters (:meth:`page_stats`)."""
+        kv_page_limit_arguments(max_pages, max_bytes)
         if max_bytes is not None:
-            page_bytes = self.policy.page_bytes
+            page_bytes = self.policy.device_page_bytes
             if page_bytes <= 0:
-                raise ValueError("this KV cache does not know its page size in bytes")
+                raise ValueError(
+                    "this KV cache does not know its page size in bytes; give "
+                    "the limit in pages (max_pages)"
+                )
             max_pages = max_bytes // page_bytes
             if max_pages < 1:
                 raise ValueError(
                     f"a KV cache limit of {max_bytes} bytes is less than one page "
-                    f"({page_bytes} bytes)"
+                    f"({page_bytes} bytes per device); give at least {page_bytes}"
                 )
         assert max_pages is not None
         self.set_max_pages(max_pages)
+        return self.page_stats()
 
     def set_max_pages(self, max_pages: int) -> None:
         """Change the physical limit. Lowering it unmaps free pages at once
         (evicting the cached prefix blocks on them; the workers apply it at
-        the next step) and stops admitting requests beyond it."""
+        the next step) and stops admitting requests beyond it. A limit beyond
+        the KV cache's capacity (every page of its reservation) is lowered to
+        the capacity, with a warning."""
         if max_pages < 1:
             raise ValueError(
                 f"the KV page limit must be at least 1 page (the null block's); "
                 f"got {max_pages}"
             )
+        if max_pages > self.num_pages:
+            logger.warning(
+                "KV page limit of %d pages is beyond the KV cache's capacity of "
+                "%d pages (%d bytes per device); the limit is %d pages",
+                max_pages,
+                self.num_pages,
+                self.num_pages * self.policy.device_page_bytes,
+                self.num_pages,
+            )
+            max_pages = self.num_pages
         self.policy.max_pages = max_pages
         self._shrink_to_limit()
         if self._share is not None:
@@ -760,16 +775,31 @@ class PagedBlockPool(BlockPool):
 
     def make_page_stats(self) -> KVPageStats:
         share = self._share
+        page_bytes = self.policy.device_page_bytes
         return KVPageStats(
             mapped_pages=self._num_held,
             page_limit=self.policy.max_pages,
-            mapped_bytes=self._num_held * self.policy.page_bytes,
+            mapped_bytes=self._num_held * page_bytes,
             pages_mapped_total=self.num_pages_mapped_total,
             pages_unmapped_total=self.num_pages_unmapped_total,
             map_failures_total=self.num_map_failures_total,
-            floor_bytes=share.floor_bytes if share is not None else 0,
+            floor_bytes=self._device_floor_bytes(),
+            limit_bytes=self.policy.max_pages * page_bytes,
             ledger=dict(share.states) if share is not None else None,
         )
+
+    def _device_floor_bytes(self) -> int:
+        """With a device ledger, this engine's floor on the device that holds
+        the most of its KV memory, as the ledger last showed it (0 without)."""
+        share = self._share
+        if share is None:
+            return 0
+        largest = max(share.devices, key=share.devices.__getitem__)
+        ids = {entry_id for _, entry_id, _ in share.ledgers}
+        for entry in share.states.get(largest, {}).get("entries", []):
+            if entry["id"] in ids:
+                return entry["floor_bytes"]
+        return share.floor_pages * self.policy.device_page_bytes
 
     def close(self) -> None:
         """Leave the device ledgers (also done at exit)."""
@@ -779,13 +809,18 @@ class PagedBlockPool(BlockPool):
             self._status.close()
 
     def page_stats(self) -> dict[str, int]:
+        """The page counters :meth:`set_page_limit` returns; byte figures in
+        bytes per device (:attr:`KVPagePolicy.device_page_bytes`)."""
+        page_bytes = self.policy.device_page_bytes
         return {
             "kv_pages_mapped": self._num_held,
             "kv_pages_mapped_total": self.num_pages_mapped_total,
             "kv_pages_unmapped_total": self.num_pages_unmapped_total,
             "kv_page_limit": self.policy.max_pages,
+            "kv_page_capacity": self.num_pages,
             "kv_page_map_failures_total": self.num_map_failures_total,
-            "kv_page_bytes": self.policy.page_bytes,
-            "kv_mapped_bytes": self._num_held * self.policy.page_bytes,
-            "kv_limit_bytes": self.policy.max_pages * self.policy.page_bytes,
+            "kv_page_bytes": page_bytes,
+            "kv_mapped_bytes": self._num_held * page_bytes,
+            "kv_limit_bytes": self.policy.max_pages * page_bytes,
+            "kv_capacity_bytes": self.num_pages * page_bytes,
         }

@@ -23,6 +23,7 @@ from vllm.v1.kv_vmm.page_table import KVPageTable, SegmentCallback
 from vllm.v1.kv_vmm.pages import (
     KVPageOps,
     KVPagePolicy,
+    KVVmmOptions,
     initial_kv_pages,
     kv_page_geometry,
     virtual_kv_cache_config,
@@ -452,25 +453,26 @@ def attention_layer_regions(
     return regions
 
 
-def map_kv_pages_ahead(model_runner: Any, scheduler_output: Any) -> None:
+def map_kv_pages_ahead(mapper: "KVPageMapper | None", ops: KVPageOps | None) -> None:
     """The model runner's call right after it launched a step's forward pass
     (before anything of the step that may wait for the device, such as the
     logits or a KV connector's finalize): map the step's pages ahead of
-    demand while the device runs the forward pass (model runners without
-    VMM-backed KV memory have no ``kv_page_mapper``)."""
-    mapper = getattr(model_runner, "kv_page_mapper", None)
-    ops = getattr(scheduler_output, "kv_page_ops", None)
+    demand while the device runs the forward pass (``mapper`` is None
+    without VMM-backed KV memory)."""
     if mapper is not None and ops:
         mapper.apply_ahead(ops)
 
 
-def _sharing(cache_config: Any) -> bool:
-    return getattr(
-        cache_config, "kv_cache_memory_backend", "default"
-    ) == "vmm" and getattr(cache_config, "kv_cache_vmm_shared", False)
+def _sharing(cache_config: KVVmmOptions) -> bool:
+    return (
+        cache_config.kv_cache_memory_backend == "vmm"
+        and cache_config.kv_cache_vmm_shared
+    )
 
 
-def shared_kv_memory_request(init_snapshot: Any, cache_config: Any) -> int | None:
+def shared_kv_memory_request(
+    init_snapshot: Any, cache_config: KVVmmOptions
+) -> int | None:
     """The worker's memory request with ``--kv-cache-vmm-shared``; None
     without it (vLLM's ``request_memory`` then applies, unchanged).
 
@@ -501,7 +503,7 @@ def shared_kv_memory_request(init_snapshot: Any, cache_config: Any) -> int | Non
 
 
 def measure_shared_kv_capacity(
-    cache_config: Any,
+    cache_config: KVVmmOptions,
     device: torch.device | None,
     total_bytes: int,
     init_free_bytes: int,
@@ -524,7 +526,7 @@ def measure_shared_kv_capacity(
     """
     if not _sharing(cache_config) or device is None:
         return None
-    if getattr(cache_config, "kv_cache_vmm_shared_bytes", None) is not None:
+    if cache_config.kv_cache_vmm_shared_bytes is not None:
         return None
     from vllm.platforms import current_platform
     from vllm.v1.kv_vmm.ledger import KVMemoryLedger
