@@ -86,6 +86,11 @@ class VmmBackend(ABC):
         unmapped. Host memory is accessed synchronously: nothing to wait for.
         """
 
+    def memory_report(self) -> str:
+        """What this backend can tell about the memory it allocates from (free
+        and total, limits), for an error message; empty if nothing."""
+        return ""
+
     @abstractmethod
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         """A flat ``uint8`` tensor over ``[va, va + nbytes)`` that does not own
