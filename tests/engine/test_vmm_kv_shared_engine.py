@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kv_map_failures import plugin_env
 
 pytestmark = pytest.mark.engine
 
@@ -95,11 +96,13 @@ def reference_ids(kv_model) -> list[list[int]]:
     "shared", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shared", "alone"]
 )
 def test_injected_map_failures_keep_the_engine_and_its_tokens(
-        kv_model, reference_ids, ledger_dir, monkeypatch, shared):
-    # 30% of the physical allocations fail as if the device were full. Shared: the scheduler
-    # hands out pages mapped ahead only once the worker reported them, and asks again for the
-    # failed ones after a backoff. Alone: the worker maps them before the next step.
-    monkeypatch.setenv("VLLM_KV_VMM_INJECT_MAP_FAILURES", "0.3:7")
+        kv_model, reference_ids, ledger_dir, tmp_path, monkeypatch, shared):
+    # 30% of the physical allocations fail as if the device were full (kv_map_failures.py, a
+    # test-only plugin in the engine's processes): the scheduler hands out pages only once the
+    # worker reported them, and asks again for the failed ones after a backoff.
+    env, _ = plugin_env(tmp_path, rate=0.3, seed=7)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     llm = _llm(kv_model, kv_cache_vmm_shared=shared, kv_cache_vmm_shrink_delay=0)
     try:
         ids = [*_generate(llm), *_generate(llm)]

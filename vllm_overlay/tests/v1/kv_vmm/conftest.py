@@ -3,6 +3,7 @@
 """Fixtures of the KV page table tests: the same suite runs on the Linux
 host backend (everywhere) and on the CUDA backend (GPU hosts only)."""
 
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.v1.kv_vmm.utils import requires_cuda_vmm
-from vllm.v1.kv_vmm import HostVmmBackend, VmmBackend
+from vllm.v1.kv_vmm import HostVmmBackend, VmmBackend, VmmOutOfMemoryError
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,3 +50,40 @@ def ledger_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+class MapFailures:
+    """The device out of memory, on demand: physical allocations of the host
+    backend fail as out of memory at ``rate`` (0.0 to 1.0), drawn from a
+    seeded RNG; ``count`` is how many failed so far."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rate = 0.0
+        self.count = 0
+        self._rng = random.Random(seed)
+
+    def draw(self) -> bool:
+        if self.rate and self._rng.random() < self.rate:
+            self.count += 1
+            return True
+        return False
+
+
+@pytest.fixture
+def map_failures(monkeypatch: pytest.MonkeyPatch) -> MapFailures:
+    """Test hook for map failures: wraps ``HostVmmBackend.create`` (every page
+    table of the test process) to raise :class:`VmmOutOfMemoryError` as the
+    CUDA driver does when the device is full."""
+    failures = MapFailures()
+    create = HostVmmBackend.create
+
+    def failing_create(self: HostVmmBackend, nbytes: int) -> int:
+        if failures.draw():
+            raise VmmOutOfMemoryError(
+                f"cuMemCreate({nbytes}) failed: CUDA_ERROR_OUT_OF_MEMORY "
+                "(injected by the test)"
+            )
+        return create(self, nbytes)
+
+    monkeypatch.setattr(HostVmmBackend, "create", failing_create)
+    return failures

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_vmm.backend import VmmError
 from vllm.v1.kv_vmm.page_status import create_page_status
-from vllm.v1.kv_vmm.pages import KVPageOps, make_kv_page_policy
+from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPageOps, make_kv_page_policy
 from vllm.v1.kv_vmm.worker import (
     allocate_vmm_kv_tensors,
     attention_kv_regions,
@@ -181,11 +181,11 @@ def test_per_tensor_pages_back_every_block_in_both_layouts():
 
 @per_tensor_release
 @requires_vmm_kv_wiring
-def test_with_a_page_report_pages_are_mapped_ahead_on_a_thread_of_their_own():
-    """With a page report (engines sharing a device) the scheduler hands out
-    pages mapped ahead only once every rank reported them, so the worker's
-    thread does not wait for their maps: they run on a thread of their own
-    while the worker goes on with the step."""
+def test_sharing_a_device_pages_are_mapped_ahead_on_a_thread_of_their_own():
+    """The scheduler hands out pages mapped ahead only once every rank
+    reported them, so the worker's thread need not wait for their maps: with
+    a device ledger (engines sharing a device) they run on a thread of their
+    own while the worker goes on with the step."""
     config = per_tensor_config(1000)
     cache_config = CacheConfig(
         kv_cache_memory_backend="vmm", kv_cache_vmm_headroom_pages=1
@@ -193,6 +193,7 @@ def test_with_a_page_report_pages_are_mapped_ahead_on_a_thread_of_their_own():
     policy = make_kv_page_policy(cache_config, [config])
     status = create_page_status(4, tag="ahead-thread")
     policy.page_status_path = status.path
+    policy.ledger = KVLedgerOptions(devices={"host": policy.page_bytes})
     config.kv_page_policy = policy
     _, mapper = allocate_vmm_kv_tensors(config, torch.device("cpu"), {"l0": 2, "l1": 1})
     try:

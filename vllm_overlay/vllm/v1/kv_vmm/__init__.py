@@ -20,9 +20,10 @@ Thread-safety contract
 * The owner of the page table (a worker's model-runner thread) applies
   map/unmap synchronously before the forward pass that needs the pages.
   Pages mapped ahead of demand are mapped on that thread right after the
-  forward pass is launched, or, where the scheduler waits for every rank's
-  report before handing them out (engines sharing a device), on one thread
-  of the worker's own (``KVPageMapper``): the owner's next maps and unmaps
+  forward pass is launched, or, with a device ledger (engines sharing a
+  device; the scheduler waits for every rank's report of a page before
+  handing it out anyway), on one thread of the worker's own
+  (``KVPageMapper``): the owner's next maps and unmaps
   wait for that batch, and a driver error there is raised on the owner's
   thread. (A KV connector may run threads of its own that export a table's
   chunks to other processes, ``VmmBackend.export_chunk``: only chunks it

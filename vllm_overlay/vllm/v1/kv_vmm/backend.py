@@ -144,6 +144,11 @@ class VmmBackend(ABC):
         unmapped. Host memory is accessed synchronously: nothing to wait for.
         """
 
+    def memory_report(self) -> str:
+        """What this backend can tell about the memory it allocates from (free
+        and total, limits), for an error message; empty if nothing."""
+        return ""
+
     def export_chunk(self, handle: object) -> tuple[int, int]:
         """A new file descriptor of the physical allocation ``handle`` and the
         allocation's offset in it, for another process to

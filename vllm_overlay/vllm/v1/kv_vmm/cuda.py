@@ -223,6 +223,18 @@ class CudaVmmBackend(VmmBackend):
     def synchronize(self) -> None:
         torch.accelerator.synchronize(self.device)
 
+    def memory_report(self) -> str:
+        try:
+            self.bind_thread()
+            free, total = self._check(self._drv.cuMemGetInfo(), "cuMemGetInfo")
+        except VmmError as e:
+            return f"{self.device}: free memory unknown ({e})"
+        gib = 1 << 30
+        return (
+            f"{self.device}: {int(free) / gib:.2f} GiB free of "
+            f"{int(total) / gib:.2f} GiB (cuMemGetInfo)"
+        )
+
     def export_chunk(self, handle: object) -> tuple[int, int]:
         """A POSIX file descriptor of ``handle`` (offset 0)."""
         if not self.fd_exportable:

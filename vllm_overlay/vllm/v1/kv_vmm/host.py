@@ -16,6 +16,7 @@ import ctypes
 import errno
 import mmap
 import os
+import resource
 from collections import defaultdict
 
 import torch
@@ -222,6 +223,40 @@ class HostVmmBackend(VmmBackend):
         if _mprotect(va, nbytes, _PROT_RW) != 0:
             raise _os_error(f"mprotect({va:#x}, {nbytes}, READ|WRITE)")
 
+    def memory_report(self) -> str:
+        """Host memory, this backend's memfd, and the limits that make an
+        allocation or a mapping fail (``RLIMIT_FSIZE`` on the memfd,
+        ``RLIMIT_AS``, ``vm.max_map_count``, the cgroup's ``memory.max``)."""
+        gib, mib = 1 << 30, 1 << 20
+        parts = []
+        meminfo = _read_kib("/proc/meminfo", ("MemAvailable", "MemTotal"))
+        if len(meminfo) == 2:
+            parts.append(
+                f"host memory: {meminfo['MemAvailable'] / gib:.2f} GiB available "
+                f"of {meminfo['MemTotal'] / gib:.2f} GiB"
+            )
+        limit = _read_text("/sys/fs/cgroup/memory.max")
+        if limit is not None and limit != "max":
+            used = _read_text("/sys/fs/cgroup/memory.current") or "?"
+            parts.append(f"cgroup memory.max {limit} bytes ({used} used)")
+        allocated = sum(self._allocations.values())
+        parts.append(
+            f"this process's KV memfd: {allocated / mib:.0f} MiB in "
+            f"{len(self._allocations)} allocations"
+        )
+        for name in ("RLIMIT_FSIZE", "RLIMIT_AS"):
+            soft, _ = resource.getrlimit(getattr(resource, name))
+            if soft != resource.RLIM_INFINITY:
+                parts.append(f"{name} {soft} bytes")
+        max_maps = _read_text("/proc/sys/vm/max_map_count")
+        maps = _read_text("/proc/self/maps")
+        if max_maps is not None and maps is not None:
+            parts.append(
+                f"{len(maps.splitlines())} memory mappings of vm.max_map_count "
+                f"{max_maps}"
+            )
+        return "; ".join(parts)
+
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         # A ctypes array at a fixed address exports the buffer protocol
         # without reading it, so unmapped pages are not touched here.
@@ -238,3 +273,21 @@ class HostVmmBackend(VmmBackend):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _read_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """Fields of a ``/proc/meminfo``-style file, in bytes."""
+    found: dict[str, int] = {}
+    for line in (_read_text(path) or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in keys and value.strip().endswith("kB"):
+            found[key] = int(value.split()[0]) << 10
+    return found

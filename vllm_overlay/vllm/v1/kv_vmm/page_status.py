@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which pages every rank of an engine really mapped.
 
-A page the scheduler asks to map ahead of demand is handed out only once
-every rank reports it mapped: each rank, after trying, adds itself to the
+A page the scheduler asks to map is handed out only once every rank
+reports it mapped: each rank, after trying, adds itself to the
 page's ``mapped`` or ``failed`` count in one small shared-memory file of the
 engine (created by the engine core, opened by every rank on the same host);
 the scheduler reads the counts when it allocates. A page some rank could

@@ -115,9 +115,10 @@ class KVPagePolicy:
     steady state (see :func:`kv_step_blocks`). At least the headroom."""
 
     page_status_path: str | None = None
-    """Pages mapped ahead are handed out only once every rank reported them
-    mapped in this file (:mod:`vllm.v1.kv_vmm.page_status`); None: at the
-    next step, as the workers map them in order."""
+    """Pages are handed out only once every rank reported them mapped in this
+    file (:mod:`vllm.v1.kv_vmm.page_status`; set by the engine core). None,
+    or a rank that cannot open it (another host): pages mapped ahead from
+    the next step on, as the workers map them in order."""
     num_ranks: int = 1
     """Ranks that report each page (with :attr:`page_status_path`)."""
     ledger: "KVLedgerOptions | None" = None
@@ -688,18 +689,18 @@ def kv_page_policy_for_engine(
         ahead_blocks=ahead_blocks,
         device_keys=device_keys,
     )
-    if shared:
-        # Pages mapped ahead are handed out once every rank mapped them; a
-        # page the device has no memory for is then not available for now.
-        from vllm.v1.kv_vmm.page_status import create_page_status
+    # Pages are handed out once every rank reported them mapped; a page the
+    # device has no memory for is then not available for now (the scheduler
+    # docstring, vllm/v1/kv_vmm/scheduler.py).
+    from vllm.v1.kv_vmm.page_status import create_page_status
 
-        num_blocks = max(c.num_blocks for c in kv_cache_configs)
-        num_pages = -(-num_blocks // policy.blocks_per_page)
-        status = create_page_status(
-            num_pages,
-            tag=f"{id(policy):x}",
-            group=options.kv_cache_vmm_shared_group,
-        )
-        policy.page_status_path = status.path
-        status.close()
+    num_blocks = max(c.num_blocks for c in kv_cache_configs)
+    num_pages = -(-num_blocks // policy.blocks_per_page)
+    status = create_page_status(
+        num_pages,
+        tag=f"{id(policy):x}",
+        group=options.kv_cache_vmm_shared_group if shared else None,
+    )
+    policy.page_status_path = status.path
+    status.close()
     return policy

@@ -20,15 +20,24 @@ handed out (a page's worth at least): the maps then take about as long as
 the step's own forward pass hides, instead of a whole step's worth landing
 behind the short forward pass of the first request after an idle period.
 
+The device may not have the memory (another process took it): a page's
+blocks are handed out only once every rank reported it mapped, in the
+engine's page report (``KVPagePolicy.page_status_path``, where every rank is
+on the engine core's host). Blocks of pages being mapped count as not free:
+an allocation that needs them waits for the ranks' reports
+(:meth:`PagedBlockPool.ensure_free_blocks`, at most
+:data:`PAGE_REPORT_WAIT_S`); what it still lacks is asked for in the step
+message, and the request waits until then (vLLM's own scheduling). A page
+some rank could not map is unmapped again on the others, and no page is
+asked for until a backoff is over: requests wait, or are preempted, as with a
+full KV cache, and proceed once the memory is back. No step ever waits for
+memory.
+
 Sharing a device (``KVPagePolicy.ledger``): the pool records what it maps
 in each device's :class:`KVMemoryLedger` and maps beyond its floor only what
 the ledger shows as free; a limit set there (by the ledger CLI) becomes the
 page limit. Idle, it keeps its floor mapped (reserved for it in the ledger
-anyway), so its next burst does not start by waiting for the driver. Pages
-mapped ahead are then handed out only once every rank reported them mapped
-(``KVPagePolicy.page_status_path``): a page that some rank could not map is
-unmapped again, and unmapped pages count as not available (requests wait or
-are preempted, as with a full pool) until a retry after a backoff.
+anyway), so its next burst does not start by waiting for the driver.
 """
 
 import time
@@ -60,6 +69,12 @@ logger = init_logger(__name__)
 #: Backoff before pages some rank could not map are asked for again.
 MAP_RETRY_MIN_S = 0.1
 MAP_RETRY_MAX_S = 5.0
+#: How long an allocation that needs blocks of pages being mapped waits for
+#: every rank's report of them (they are mapped right after the forward pass
+#: of the step that asked for them is launched). A rank that has not
+#: reported by then leaves them not free for now: the request waits for a
+#: later step; nothing waits longer.
+PAGE_REPORT_WAIT_S = 1.0
 #: How often the pool reads the device ledgers (what is free, its limit).
 LEDGER_READ_INTERVAL_S = 0.05
 #: A ledger nobody wrote since the last read is read again (to drop the
@@ -338,12 +353,13 @@ class PagedBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue(
             [b for p in initial for b in self._page_blocks(p) if not b.is_null]
         )
-        # Pages asked for ahead and not yet reported mapped by every rank
-        # (only with a page report); they count as mapped for the limits.
+        # Pages asked for and not yet reported mapped by every rank (only
+        # with page reports); they count as mapped for the limits.
         self._inflight: set[int] = set()
-        self._status = None
-        if policy.page_status_path is not None:
-            self._status = KVPageStatus(policy.page_status_path)
+        # Blocks allocations of this step lacked beyond the free and the
+        # coming ones (ensure_free_blocks): asked for in its message.
+        self._demand_blocks = 0
+        self._status = self._open_page_status(policy)
         self.num_map_failures_total = 0
         self._retry_at = float("-inf")
         self._retry_delay = 0.0
@@ -352,6 +368,26 @@ class PagedBlockPool(BlockPool):
         if policy.ledger is not None:
             self._share = _DeviceShare(policy, len(initial))
             self._read_ledger(force=True)
+
+    @staticmethod
+    def _open_page_status(policy: KVPagePolicy) -> KVPageStatus | None:
+        """The ranks' page report, if every rank reported its startup pages
+        there (page 0, the null block's, is one of them and never unmapped):
+        otherwise some rank is on another host and cannot report, and pages
+        are handed out without reports, as the workers assume then too
+        (``KVPageMapper.reporting``)."""
+        if policy.page_status_path is None:
+            return None
+        status = KVPageStatus(policy.page_status_path)
+        if status.counts(0)[0] >= policy.num_ranks:
+            return status
+        status.close()
+        logger.warning(
+            "Not every rank reported its KV pages (a rank on another host): "
+            "pages are handed out without the ranks' reports, and a rank that "
+            "cannot map one fails the engine"
+        )
+        return None
 
     # -- accounting ---------------------------------------------------------
     @property
@@ -399,19 +435,68 @@ class PagedBlockPool(BlockPool):
         return self.free_block_queue.num_free_blocks == self._num_mapped_blocks - 1
 
     def get_num_free_blocks(self) -> int:
+        """Blocks an allocation can have now. With page reports: those of
+        pages every rank reported mapped (an allocation that needs more calls
+        :meth:`ensure_free_blocks` first); without: also those of unmapped
+        pages within the limits, mapped before the step that uses them."""
         if self._checking_idle:
             return self.num_gpu_blocks - 1
-        growable = self._growable_blocks()  # takes in reported pages first
+        if self._status is not None:
+            self._poll()
+            return self.free_block_queue.num_free_blocks
+        growable = self._growable_blocks()
         return self.free_block_queue.num_free_blocks + growable
+
+    def _inflight_blocks(self) -> int:
+        return sum(len(self._page_blocks(p)) for p in self._inflight)
 
     def get_usage(self) -> float:
         # Blocks beyond the page limit (e.g. of a last page the profiled
         # memory does not cover) are never free: usage is relative to the
-        # blocks the limit allows.
-        capacity = self._num_mapped_blocks - 1 + self._growable_blocks()
+        # blocks the limit allows. Blocks of pages being mapped are free.
+        growable = self._growable_blocks()  # takes in reported pages first
+        coming = self._inflight_blocks()
+        capacity = self._num_mapped_blocks - 1 + coming + growable
         if capacity <= 0:
             return 0.0
-        return 1.0 - self.get_num_free_blocks() / capacity
+        free = self.free_block_queue.num_free_blocks + coming + growable
+        return 1.0 - free / capacity
+
+    def ensure_free_blocks(self, num_blocks: int) -> None:
+        """Before vLLM checks an allocation of ``num_blocks`` against
+        :meth:`get_num_free_blocks`: with page reports, wait for the reports
+        of pages being mapped if the allocation needs their blocks (at most
+        :data:`PAGE_REPORT_WAIT_S`: they are mapped behind the step in
+        flight), and note what it still lacks, which the next step message
+        asks for. A request that does not fit now waits for a later step."""
+        if self._status is None:
+            return
+        self._poll()
+        free = self.free_block_queue.num_free_blocks
+        if num_blocks <= free:
+            return
+        coming = self._inflight_blocks()
+        if num_blocks <= free + coming:
+            free = self._wait_for_reports(num_blocks)
+            coming = self._inflight_blocks()
+        if num_blocks > free:
+            self._demand_blocks = max(self._demand_blocks, num_blocks - free - coming)
+
+    def _wait_for_reports(self, num_blocks: int) -> int:
+        """Poll the ranks' reports until ``num_blocks`` are free, no page is
+        being mapped any more, or :data:`PAGE_REPORT_WAIT_S` passed; the free
+        blocks then."""
+        deadline = time.monotonic() + PAGE_REPORT_WAIT_S
+        delay = 0.0002
+        while True:
+            free = self.free_block_queue.num_free_blocks
+            if num_blocks <= free or not self._inflight:
+                return free
+            if time.monotonic() >= deadline:
+                return free
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+            self._poll()
 
     def reset_prefix_cache(self) -> bool:
         # vLLM's check ("every block but the null block is free") would count
@@ -425,14 +510,15 @@ class PagedBlockPool(BlockPool):
 
     # -- allocation -----------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        if self._status is not None:
-            self._poll()
         missing = num_blocks - self.free_block_queue.num_free_blocks
-        if missing > 0:
+        if missing > 0 and self._status is None:
+            # Without page reports: pages mapped before this step's forward.
             if missing > self._growable_blocks(admitted=True):
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
             self._grow(missing)
         self._blocks_handed_out += num_blocks
+        # With page reports, only blocks of pages every rank has (the base
+        # class raises if fewer are free).
         return super().get_new_blocks(num_blocks)
 
     def _grow(self, num_blocks: int, ahead: bool = False) -> None:
@@ -448,17 +534,19 @@ class PagedBlockPool(BlockPool):
 
     def _map(self, pages: list[int], ahead: bool = False) -> None:
         if self._share is not None and pages:
-            # Pages a step needs now are recorded even where the ledger is
-            # short (another engine grew meanwhile): the driver decides.
-            granted = self._share.grow(len(pages), force=not ahead)
+            # Without page reports, pages a step needs now are recorded even
+            # where the ledger is short (another engine grew meanwhile): the
+            # driver decides.
+            force = not ahead and self._status is None
+            granted = self._share.grow(len(pages), force=force)
             pages = pages[:granted]
         if not pages:
             return
-        if ahead and self._status is not None:
+        if self._status is not None:
             # Handed out once every rank reported them mapped (_poll).
             self._status.reset(pages)
             self._inflight.update(pages)
-            self._pending.ahead.extend(pages)
+            (self._pending.ahead if ahead else self._pending.map).extend(pages)
             return
         self._mapped.update(pages)
         self._num_mapped_blocks += sum(len(self._page_blocks(p)) for p in pages)
@@ -507,7 +595,8 @@ class PagedBlockPool(BlockPool):
             self.free_block_queue.append_n(
                 [b for p in confirmed for b in self._page_blocks(p)]
             )
-            if not failed:
+            if not failed and self._retry_delay:
+                logger.info("KV cache pages map again: %s", confirmed)
                 self._retry_delay = 0.0
         if failed:
             self._inflight.difference_update(failed)
@@ -521,8 +610,10 @@ class PagedBlockPool(BlockPool):
                     "KV cache pages %s could not be mapped on every rank (the "
                     "device is out of memory); they are not available for now "
                     "(requests wait or are preempted as with a full KV cache), "
-                    "retrying with backoff",
+                    "asked for again after %.1f s, doubling up to %.0f s",
                     failed,
+                    MAP_RETRY_MIN_S,
+                    MAP_RETRY_MAX_S,
                 )
             self._retry_delay = min(
                 max(self._retry_delay * 2, MAP_RETRY_MIN_S), MAP_RETRY_MAX_S
@@ -564,7 +655,8 @@ class PagedBlockPool(BlockPool):
             self._poll()
         if self._share is not None:
             self._read_ledger()
-        shrink_due_in = self._idle_shrink_due_in()
+        # Requests waiting for blocks keep the pages they wait for.
+        shrink_due_in = None if self._demand_blocks else self._idle_shrink_due_in()
         if self._num_held > policy.max_pages:
             self._shrink_to_limit()
         elif shrink_due_in == 0.0:
@@ -574,21 +666,33 @@ class PagedBlockPool(BlockPool):
         elif self._busy_trim_due():
             self._unmap(self._surplus_pages())
             self._surplus_since = None
-        # While requests run, a step's worth of blocks stays mapped ahead; an
-        # idle pool keeps only the headroom (and gives the rest back after
-        # the shrink delay).
+        # While requests run or wait for blocks, a step's worth of blocks
+        # stays mapped ahead; an idle pool keeps only the headroom (and gives
+        # the rest back after the shrink delay).
+        busy = not self.idle
+        demand, self._demand_blocks = self._demand_blocks, 0
         ahead = policy.headroom_pages * policy.blocks_per_page
-        if not self.idle:
+        if busy or demand:
             ahead = self._ahead_target()
-        coming = sum(len(self._page_blocks(p)) for p in self._inflight)
-        short = ahead - self.free_block_queue.num_free_blocks - coming
-        # The refill follows demand: what this step handed out, a page's
-        # worth at least, so the maps hide behind its forward pass.
-        refill = max(self._blocks_handed_out, policy.blocks_per_page)
+        coming = self._inflight_blocks()
+        short = max(ahead - self.free_block_queue.num_free_blocks - coming, demand)
+        # The refill follows demand: what this step handed out or could not
+        # hand out, a page's worth at least, so the maps hide behind its
+        # forward pass. A step with no block in use launches none: what the
+        # waiting requests need, up to a step's worth, is mapped at once.
+        refill = max(self._blocks_handed_out + demand, policy.blocks_per_page)
+        if not busy and self._status is not None:
+            refill = short
         self._blocks_handed_out = 0
         if short > 0 and self._num_held < policy.max_pages:
             growable = self._growable_blocks()
-            self._grow(min(short, refill, growable), ahead=True)
+            # With page reports, pages of a step without a forward pass are
+            # mapped before it (there is nothing to hide behind); without,
+            # every refill is mapped ahead (the next step may hand it out).
+            self._grow(
+                min(short, refill, growable),
+                ahead=busy or self._status is None,
+            )
             if self._share is not None and not growable and self._share.room_pages == 0:
                 if not self._denied_logged:
                     logger.info(

@@ -6,8 +6,6 @@ sends: the step's own before its forward pass, the pages mapped ahead of
 demand right after the forward pass is launched."""
 
 import math
-import os
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,25 +29,16 @@ from vllm.v1.kv_vmm.pages import (
 
 logger = init_logger(__name__)
 
-#: Test hook: "RATE[:SEED]" makes that fraction of physical allocations fail
-#: as if the device were out of memory (the failure path, on any backend).
-INJECT_MAP_FAILURES_ENV = "VLLM_KV_VMM_INJECT_MAP_FAILURES"
-#: Backoff of a map the step cannot run without (see KVPageMapper.apply).
+#: Startup: how long the pages every rank maps before the first step (the
+#: null block's page and a step's worth ahead, ``initial_kv_pages``) are
+#: tried again before the engine fails with what the device holds.
+STARTUP_MAP_TIMEOUT_S = 5.0
+STARTUP_MAP_RETRY_S = 0.05
+#: Without the ranks' page reports (a rank on another host than the engine
+#: core): how long a page the step needs is tried again before the worker
+#: fails the engine (the scheduler has handed its blocks out already).
+NEEDED_MAP_TIMEOUT_S = 10.0
 NEEDED_MAP_RETRY_MAX_S = 1.0
-
-
-def inject_map_failures(backend: VmmBackend, spec: str) -> None:
-    """Make ``backend.create`` fail at the rate ``spec`` (``RATE[:SEED]``)."""
-    rate, _, seed = spec.partition(":")
-    rng = random.Random(int(seed) if seed else 0)
-    create = backend.create
-
-    def failing_create(nbytes: int) -> object:
-        if rng.random() < float(rate):
-            raise VmmOutOfMemoryError("cuMemCreate failed: injected out of memory")
-        return create(nbytes)
-
-    backend.create = failing_create  # type: ignore[method-assign]
 
 
 def make_vmm_backend(device: torch.device, granularity: int) -> VmmBackend:
@@ -78,6 +67,15 @@ class KVPageMapper:
 
     A policy page is one segment of the rank's page table, so every rank
     maps its own bytes for the same page ids.
+
+    Where every rank is on the engine core's host (the usual case), each rank
+    reports each page it was asked to map as mapped or failed in the engine's
+    page report (:mod:`vllm.v1.kv_vmm.page_status`), and the scheduler hands
+    a page's blocks out only once every rank reported it mapped: a page the
+    device has no memory for is tried once and reported, never waited for,
+    and the scheduler treats it as not available (requests wait, or are
+    preempted, as with a full KV cache). Only the startup pages must be
+    mapped (:data:`STARTUP_MAP_TIMEOUT_S`, then a clear error).
     """
 
     def __init__(
@@ -91,8 +89,6 @@ class KVPageMapper:
     ) -> None:
         self.policy = policy
         backend = make_vmm_backend(device, policy.granularity)
-        if os.environ.get(INJECT_MAP_FAILURES_ENV):
-            inject_map_failures(backend, os.environ[INJECT_MAP_FAILURES_ENV])
         self.geometry = kv_page_geometry(
             kv_cache_config, backend.granularity, policy.blocks_per_page, num_regions
         )
@@ -113,30 +109,52 @@ class KVPageMapper:
         self.num_pages_unmapped_total = 0
         self.peak_mapped_bytes = 0
         self.num_map_failures_total = 0
-        # Pages mapped ahead that the device had no memory for, when the
-        # scheduler does not wait for the ranks' reports: mapped before the
-        # next forward pass, which may use them.
+        # Without page reports: pages mapped ahead that the device had no
+        # memory for, mapped before the next forward pass, which may use them.
         self._owed: set[int] = set()
+        # Pages to map ahead once this step's forward pass is launched; a step
+        # without one (nothing scheduled) leaves them to the next step.
+        self._ahead_pending: list[int] = []
         self._failure_logged = False
         self.status = None
         if policy.page_status_path is not None:
             from vllm.v1.kv_vmm.page_status import KVPageStatus
 
-            self.status = KVPageStatus(policy.page_status_path)
-        # With a page report the scheduler hands out pages mapped ahead only
-        # once every rank reported them, so nothing waits for them: a thread
-        # of their own maps them while this one runs the steps (the driver
-        # calls release the GIL). Without one they are used at the next
-        # step, and are mapped on this thread behind the forward pass.
+            try:
+                self.status = KVPageStatus(policy.page_status_path)
+            except FileNotFoundError:
+                # A rank on another host than the engine core; see reporting.
+                logger.warning(
+                    "KV page report %s is not on this host: the scheduler hands "
+                    "out KV pages without the ranks' reports, and a page this "
+                    "rank cannot map within %.0f s fails the engine",
+                    policy.page_status_path,
+                    NEEDED_MAP_TIMEOUT_S,
+                )
+        self._reporting: bool | None = None
+        # With the ranks' reports the scheduler hands out pages mapped ahead
+        # only once every rank has them, so nothing waits for them: with a
+        # device ledger (several engines on the device, where memory runs
+        # out more often) a thread of their own maps them while this one
+        # runs the steps (the driver calls release the GIL). Otherwise they
+        # are mapped on this thread behind the forward pass.
         self._ahead_thread: ThreadPoolExecutor | None = None
         self._ahead_batches: list[Future[None]] = []
-        if self.status is not None and self.maps_ahead_after_forward:
+        if (
+            self.status is not None
+            and policy.ledger is not None
+            and self.maps_ahead_after_forward
+        ):
             self._ahead_thread = ThreadPoolExecutor(
                 max_workers=1,
                 thread_name_prefix="kv-page-map",
                 initializer=backend.bind_thread,
             )
-        self.apply(KVPageOps(map=initial_kv_pages(policy)))
+        try:
+            self._map_startup(initial_kv_pages(policy))
+        except BaseException:
+            self.close()
+            raise
         logger.info(
             "VMM-backed KV cache: %d virtual blocks (%.2f GiB reserved), "
             "%d blocks per page, %.2f MiB per page, %.2f MiB mapped at startup "
@@ -180,89 +198,202 @@ class KVPageMapper:
         every page of the step is mapped, and registered, before it."""
         return self.table.on_segment_mapped is None
 
+    @property
+    def reporting(self) -> bool:
+        """Whether the scheduler hands pages out only once every rank
+        reported them mapped: every rank opened the engine's page report and
+        reported its startup pages there (page 0, the null block's, is one
+        of them and never unmapped). Decided at the first step, when every
+        rank has started; the scheduler decides the same from the same
+        counts (``PagedBlockPool``)."""
+        if self._reporting is None:
+            self._reporting = (
+                self.status is not None
+                and self.status.counts(0)[0] >= self.policy.num_ranks
+            )
+        return self._reporting
+
     def apply(self, ops: KVPageOps) -> None:
-        """Before the forward pass: unmap, then map the pages the step uses
-        (and those mapped ahead, see :attr:`maps_ahead_after_forward`); the
-        device is synchronized before unmapping."""
+        """Before the forward pass: unmap, then map the pages the scheduler
+        asks for before it (and those mapped ahead, see
+        :attr:`maps_ahead_after_forward`); the device is synchronized before
+        unmapping. With page reports nothing here waits for memory: a page
+        the device has none for is reported as failed."""
         start = time.perf_counter()
-        needed = [*sorted(self._owed), *ops.map]
+        # Asked for ahead by a step that launched no forward pass.
+        deferred, self._ahead_pending = self._ahead_pending, []
         ahead_here = bool(ops.ahead) and not self.maps_ahead_after_forward
-        if not (ops.unmap or needed or ahead_here):
+        if ops.ahead and not ahead_here:
+            self._ahead_pending = list(ops.ahead)
+        if not (deferred or ops.unmap or ops.map or self._owed or ahead_here):
             self.wait_for_ahead_maps(finished_only=True)  # raises their errors
             return
         # After the batches being mapped ahead, which may still run; the
-        # scheduler unmaps only pages every rank reported mapped.
+        # scheduler unmaps only pages every rank reported.
         self.wait_for_ahead_maps()
+        if deferred:
+            self._map_reported(deferred, ahead=True)
         if ops.unmap:
             unmapped = self.table.unmap_pages(self._table_pages(ops.unmap))
             self.num_pages_unmapped_total += len(unmapped)
             self._owed.difference_update(ops.unmap)
-        if needed:
-            self._map_needed(needed)
-            self._owed.clear()
+        if self.reporting:
+            if ops.map:
+                self._map_reported(ops.map, ahead=False)
+        else:
+            needed = [*sorted(self._owed), *ops.map]
+            if needed:
+                self._map_needed(needed)
+                self._owed.clear()
         if ahead_here:
-            self._map_ahead(ops.ahead)
+            self._map_reported(ops.ahead, ahead=True)
         self.map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
-    def _map_needed(self, pages: list[int]) -> None:
-        """Map pages whose blocks this step uses. The step cannot run
-        without them, so a map the device has no memory for is retried, with
-        backoff, until it succeeds. The scheduler asks for such pages only
-        within its limit and the device ledger's room; with a page report it
-        hands out pages mapped ahead only once every rank has them."""
-        delay = 0.01
-        while True:
-            try:
-                mapped = self.table.map_pages(self._table_pages(pages))
-                break
-            except VmmOutOfMemoryError as e:
-                self.num_map_failures_total += 1
-                self._log_failure("needed by this step; retrying", pages, e)
-                time.sleep(delay)
-                delay = min(delay * 2, NEEDED_MAP_RETRY_MAX_S)
-        self.num_pages_mapped_total += len(mapped)
-        self._failure_logged = False
-
-    def _map_ahead(self, pages: list[int]) -> None:
-        """Map pages ahead of demand, as many as the device has memory for;
-        report each page's outcome (with a page report) or map the failed
-        ones before the next forward pass (without one)."""
-        failed: list[int] = []
+    def _map_each(
+        self, pages: list[int]
+    ) -> tuple[list[int], list[int], Exception | None]:
+        """Map ``pages`` (all in one call, else one at a time: keep what
+        fits); return the pages newly mapped, those the device had no memory
+        for, and the last such error."""
         try:
-            mapped = self.table.map_pages(self._table_pages(pages))
+            return self.table.map_pages(self._table_pages(pages)), [], None
         except VmmOutOfMemoryError as e:
-            # One page at a time: keep what fits.
-            self._log_failure("ahead of demand", pages, e)
-            mapped = []
-            for page in pages:
-                try:
-                    mapped += self.table.map_pages(self._table_pages([page]))
-                except VmmOutOfMemoryError:
-                    failed.append(page)
+            error: Exception = e
+        mapped: list[int] = []
+        failed: list[int] = []
+        for page in pages:
+            try:
+                mapped += self.table.map_pages(self._table_pages([page]))
+            except VmmOutOfMemoryError as e:
+                failed.append(page)
+                error = e
+        return mapped, failed, error
+
+    def _map_reported(self, pages: list[int], ahead: bool) -> None:
+        """Map pages the scheduler hands out once mapped, as many as the
+        device has memory for, trying each once; report each page's outcome
+        (with page reports) or owe the failed ones to the next forward pass
+        (without them)."""
+        mapped, failed, error = self._map_each(pages)
+        self.num_pages_mapped_total += len(mapped)
+        if ahead:
+            self.num_pages_mapped_ahead_total += len(mapped)
+        if failed:
             self.num_map_failures_total += len(failed)
+            assert error is not None
+            self._log_failure("(not available until memory frees up)", failed, error)
         else:
             self._failure_logged = False
-        self.num_pages_mapped_total += len(mapped)
-        self.num_pages_mapped_ahead_total += len(mapped)
-        if self.status is not None:
+        if self.reporting:
+            assert self.status is not None
             done = set(failed)
             self.status.report([p for p in pages if p not in done], failed)
         else:
             self._owed.update(failed)
 
+    def _map_needed(self, pages: list[int]) -> None:
+        """Without page reports (a rank on another host than the engine
+        core): map pages whose blocks this step uses. The scheduler handed
+        them out already, so a page the device has no memory for is tried
+        again, with backoff, for :data:`NEEDED_MAP_TIMEOUT_S`; then the
+        worker fails with what the device holds (the ranks cannot agree to
+        skip the step)."""
+        deadline = time.monotonic() + NEEDED_MAP_TIMEOUT_S
+        delay = 0.01
+        while True:
+            mapped, failed, error = self._map_each(pages)
+            self.num_pages_mapped_total += len(mapped)
+            if not failed:
+                break
+            self.num_map_failures_total += len(failed)
+            assert error is not None
+            if time.monotonic() + delay > deadline:
+                raise VmmOutOfMemoryError(
+                    f"KV cache pages {failed} that this step uses could not be "
+                    f"mapped within {NEEDED_MAP_TIMEOUT_S:g} s ({error}). "
+                    f"{self._memory_report()} Without every rank on the engine "
+                    "core's host the scheduler cannot learn that a rank is out "
+                    "of memory before it hands out a page: run every rank of "
+                    "the engine on one host, or free device memory."
+                )
+            self._log_failure("needed by this step; retrying", failed, error)
+            time.sleep(delay)
+            delay = min(delay * 2, NEEDED_MAP_RETRY_MAX_S)
+            pages = failed
+        self._failure_logged = False
+
+    def _map_startup(self, pages: list[int]) -> None:
+        """Map the pages every rank holds before the first step (the null
+        block's page and a step's worth ahead) and report them; a page the
+        device has no memory for is tried again for
+        :data:`STARTUP_MAP_TIMEOUT_S`, then the engine fails with what the
+        device holds (an engine that cannot map these would only wait)."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + STARTUP_MAP_TIMEOUT_S
+        wanted = pages
+        while True:
+            mapped, failed, error = self._map_each(wanted)
+            self.num_pages_mapped_total += len(mapped)
+            if not failed:
+                break
+            self.num_map_failures_total += len(failed)
+            if time.monotonic() >= deadline:
+                assert error is not None
+                raise VmmOutOfMemoryError(
+                    self._startup_error(pages, failed, error, start)
+                )
+            time.sleep(STARTUP_MAP_RETRY_S)
+            wanted = failed
+        self.map_seconds += time.perf_counter() - start
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
+        if self.status is not None:
+            self.status.report(pages, [])
+
+    def _startup_error(
+        self, pages: list[int], failed: list[int], error: Exception, start: float
+    ) -> str:
+        device = self.table.backend.device
+        return (
+            f"VMM-backed KV cache: {len(failed)} of the {len(pages)} KV cache "
+            f"pages mapped at startup ({self.page_bytes / (1 << 20):.2f} MiB "
+            f"each on {device}) could not be mapped in "
+            f"{time.perf_counter() - start:.1f} s: {error}. "
+            f"{self._memory_report()} "
+            "These pages (the null block's page and a step's worth of blocks "
+            "ahead) are the least an engine maps. Free memory on the device "
+            "(stop or shrink the engines or processes that hold it), or map "
+            "less at startup: a smaller --max-num-batched-tokens or "
+            "--kv-cache-vmm-page-bytes."
+        )
+
+    def _memory_report(self) -> str:
+        """What the backend can tell about its memory, and the engines the
+        device's ledger lists (for error messages)."""
+        backend = self.table.backend
+        report = backend.memory_report() or f"{backend.device}: no memory figures"
+        return f"{report}. {device_ledger_report(backend.device)}"
+
     def _log_failure(self, what: str, pages: list[int], error: Exception) -> None:
         if not self._failure_logged:
-            logger.warning("Could not map KV cache pages %s %s: %s", pages, what, error)
+            logger.warning(
+                "Could not map KV cache pages %s %s: %s. %s",
+                pages,
+                what,
+                error,
+                self._memory_report(),
+            )
             self._failure_logged = True
 
     def apply_ahead(self, ops: KVPageOps) -> None:
         """After the forward pass is launched: map the pages the scheduler
         hands out from the next step on. Nothing in flight uses them, so the
         driver calls overlap the device's work instead of delaying it (and,
-        with a page report, this thread's work too: see ``_ahead_thread``)."""
+        with a device ledger, this thread's work too: see ``_ahead_thread``)."""
         if not ops.ahead or not self.maps_ahead_after_forward:
             return
+        asked = set(ops.ahead)
+        self._ahead_pending = [p for p in self._ahead_pending if p not in asked]
         if self._ahead_thread is None:
             self._map_ahead_timed(ops.ahead)
             return
@@ -273,7 +404,7 @@ class KVPageMapper:
 
     def _map_ahead_timed(self, pages: list[int]) -> None:
         start = time.perf_counter()
-        self._map_ahead(pages)
+        self._map_reported(pages, ahead=True)
         self.ahead_map_seconds += time.perf_counter() - start
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
 
@@ -317,6 +448,43 @@ class KVPageMapper:
         self.table.close()
         if self.status is not None:
             self.status.close()
+
+
+def device_ledger_key(device: torch.device) -> str:
+    """The device ledger's key of ``device``: its UUID, ``host`` for host
+    memory (how the engine core names each rank's ledger)."""
+    if device.type != "cuda":
+        return "host"
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_uuid(device.index or 0)
+
+
+def device_ledger_report(device: torch.device) -> str:
+    """The engines the ledger of ``device`` lists, with what they map (for
+    an error message: who holds the device's KV memory)."""
+    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+
+    try:
+        key = device_ledger_key(device)
+        state = KVMemoryLedger(key).read()
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        return f"Engines sharing {device}: unknown (device ledger unreadable: {e})."
+    if state is None:
+        return (
+            f"No engine shares {device} through a device ledger "
+            "(--kv-cache-vmm-shared)."
+        )
+    mib = 1 << 20
+    engines = "; ".join(
+        f"{e.name or e.id} (pid {e.pid}): {e.mapped_bytes / mib:.0f} MiB mapped, "
+        f"floor {e.floor_bytes / mib:.0f} MiB"
+        for e in state.entries
+    )
+    return (
+        f"Engines in the ledger of {device} ({state.capacity_bytes / mib:.0f} MiB "
+        f"shared): {engines}."
+    )
 
 
 def allocate_vmm_kv_cache(

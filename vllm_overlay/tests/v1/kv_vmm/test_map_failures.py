@@ -1,0 +1,433 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""When the device has no memory for a KV page: the ranks report, the
+scheduler hands out only pages every rank mapped, requests wait (or are
+preempted, by vLLM's own scheduler) and proceed once the memory is back;
+nothing waits for memory without an end, and an engine that cannot map its
+startup pages fails at once with what holds the memory."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from vllm.v1.kv_vmm import ledger as ledger_module
+from vllm.v1.kv_vmm import scheduler as scheduler_module
+from vllm.v1.kv_vmm import worker as worker_module
+from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError
+from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
+from vllm.v1.kv_vmm.ledger import KVMemoryLedger
+from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
+from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
+from vllm.v1.kv_vmm.scheduler import MAP_RETRY_MIN_S, PagedBlockPool
+from vllm.v1.kv_vmm.worker import KVPageMapper
+
+BPP = 4  # blocks per page
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def ledger_dir(tmp_path, monkeypatch):
+    # Page reports and ledgers of this test only.
+    monkeypatch.setattr(ledger_module, "LEDGER_DIR", str(tmp_path))
+    return tmp_path
+
+
+def make_policy(
+    num_pages: int, num_ranks: int, ahead_blocks: int = 8, headroom: int = 1
+) -> tuple[KVPagePolicy, KVPageStatus]:
+    status = create_page_status(num_pages, tag="t")
+    policy = KVPagePolicy(
+        granularity=2 << 20,
+        blocks_per_page=BPP,
+        max_pages=num_pages,
+        headroom_pages=headroom,
+        shrink="idle",
+        shrink_delay_s=0.0,
+        page_bytes=1 << 20,
+        ahead_blocks=ahead_blocks,
+        page_status_path=status.path,
+        num_ranks=num_ranks,
+    )
+    return policy, status
+
+
+class Ranks:
+    """The workers of an engine as the scheduler sees them through the page
+    report: each applies the step's page ops to its set of mapped pages and
+    reports; ``failing`` ranks have no memory for new pages."""
+
+    def __init__(self, policy: KVPagePolicy, status: KVPageStatus) -> None:
+        self.status = status
+        initial = initial_kv_pages(policy)
+        self.mapped = [set(initial) for _ in range(policy.num_ranks)]
+        self.failing: set[int] = set()
+        for _ in self.mapped:  # what each worker reports when it starts
+            status.report(initial, [])
+
+    def apply(self, ops: KVPageOps | None) -> None:
+        if ops is None:
+            return
+        for rank, mapped in enumerate(self.mapped):
+            mapped.difference_update(ops.unmap)
+            pages = [*ops.map, *ops.ahead]
+            if rank in self.failing:
+                failed = [p for p in pages if p not in mapped]
+                self.status.report([p for p in pages if p in mapped], failed)
+            else:
+                mapped.update(pages)
+                self.status.report(pages, [])
+
+    def on_every_rank(self) -> set[int]:
+        return set.intersection(*self.mapped)
+
+
+def make_pool(
+    num_blocks: int = 64, num_ranks: int = 2, ahead_blocks: int = 8
+) -> tuple[PagedBlockPool, Ranks]:
+    policy, status = make_policy(-(-num_blocks // BPP), num_ranks, ahead_blocks)
+    ranks = Ranks(policy, status)
+    pool = PagedBlockPool(
+        num_gpu_blocks=num_blocks,
+        enable_caching=True,
+        hash_block_size=16,
+        policy=policy,
+    )
+    pool.clock = Clock()
+    return pool, ranks
+
+
+def test_a_page_one_rank_of_two_could_not_map_is_never_handed_out():
+    pool, ranks = make_pool()
+    held = pool.get_new_blocks(pool.free_block_queue.num_free_blocks)
+    ranks.failing = {1}
+    ops = pool.take_page_ops()
+    assert ops.ahead == [3, 4]  # behind the forward pass of a busy step
+    ranks.apply(ops)
+    assert ranks.mapped[0] >= {3, 4} and not ranks.mapped[1] & {3, 4}
+    # Neither page is free: an allocation that needs them does not get them.
+    pool.ensure_free_blocks(4)
+    assert pool.get_num_free_blocks() == 0
+    with pytest.raises(ValueError, match="Cannot get 4 free blocks"):
+        pool.get_new_blocks(4)
+    assert pool.make_page_stats().map_failures_total == 2
+    # Rank 0 gives them back at the next step; nothing is asked for during
+    # the backoff.
+    ops = pool.take_page_ops()
+    assert sorted(ops.unmap) == [3, 4] and not ops.map and not ops.ahead
+    ranks.apply(ops)
+    assert not ranks.mapped[0] & {3, 4}
+    assert pool.take_page_ops() is None
+    # The memory is back after the backoff: asked for again, handed out once
+    # both ranks report.
+    ranks.failing = set()
+    pool.clock.now += MAP_RETRY_MIN_S
+    pool.ensure_free_blocks(8)  # a request that needs both pages
+    ops = pool.take_page_ops()
+    assert ops.ahead == [3, 4]
+    ranks.apply(ops)
+    got = pool.get_new_blocks(8)
+    assert {b.block_id // BPP for b in got} == {3, 4} <= ranks.on_every_rank()
+    pool.free_blocks(held + got)
+
+
+def test_an_allocation_waits_for_pages_being_mapped_then_for_no_longer(
+    monkeypatch,
+):
+    pool, ranks = make_pool(num_ranks=1)
+    held = pool.get_new_blocks(pool.free_block_queue.num_free_blocks)
+    ops = pool.take_page_ops()
+    assert ops.ahead == [3, 4]
+    # The rank reports while the scheduler waits (as a worker does right
+    # after launching the forward pass of the step in flight).
+    threading.Timer(0.05, ranks.apply, (ops,)).start()
+    start = time.monotonic()
+    pool.ensure_free_blocks(8)
+    assert time.monotonic() - start < scheduler_module.PAGE_REPORT_WAIT_S
+    assert pool.get_num_free_blocks() == 8
+    held += pool.get_new_blocks(8)
+    # A rank that does not report: the wait has an end, the pages stay
+    # coming, the request waits for a later step, and nothing more is
+    # asked for them.
+    monkeypatch.setattr(scheduler_module, "PAGE_REPORT_WAIT_S", 0.2)
+    ops = pool.take_page_ops()
+    assert ops.ahead == [5, 6]
+    start = time.monotonic()
+    pool.ensure_free_blocks(8)
+    assert 0.2 <= time.monotonic() - start < 2.0
+    assert pool.get_num_free_blocks() == 0
+    assert pool.take_page_ops() is None
+    # An allocation that pages being mapped cannot cover does not wait.
+    start = time.monotonic()
+    pool.ensure_free_blocks(20)
+    assert time.monotonic() - start < 0.1
+    ranks.apply(ops)
+    assert pool.get_num_free_blocks() == 8
+    pool.free_blocks(held)
+
+
+def test_requests_that_do_not_fit_ask_for_their_pages_in_the_next_message():
+    pool, ranks = make_pool(ahead_blocks=8)
+    # Idle after the shrink: the null block's page and one headroom page.
+    ranks.apply(pool.take_page_ops())
+    assert pool.num_mapped_pages == 2 and pool.get_num_free_blocks() == 7
+    # A request of 10 blocks does not fit: nothing is handed out, and the
+    # next message maps what it lacks (a step's worth at least; no forward
+    # pass to hide the maps behind, so before the step).
+    pool.ensure_free_blocks(10)
+    assert pool.get_num_free_blocks() == 7
+    ops = pool.take_page_ops()
+    assert ops.map == [2] and not ops.ahead and not ops.unmap
+    ranks.apply(ops)
+    pool.ensure_free_blocks(10)
+    assert pool.get_num_free_blocks() == 11
+    blocks = pool.get_new_blocks(10)
+    assert {b.block_id // BPP for b in blocks} <= ranks.on_every_rank()
+    pool.free_blocks(blocks)
+
+
+# -- vLLM's scheduler over the pool ---------------------------------------
+
+
+def _step(scheduler, ranks: Ranks, clock: Clock, check) -> list[str]:
+    """One engine step: schedule, check what the step uses, the ranks apply
+    the page ops, one token per scheduled request; the finished ids."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    output = scheduler.schedule()
+    check(output)
+    ranks.apply(output.kv_page_ops)
+    req_ids = list(output.num_scheduled_tokens)
+    runner_output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+    )
+    engine_outputs = scheduler.update_from_output(output, runner_output)
+    clock.now += 0.05
+    return [
+        out.request_id
+        for client in engine_outputs.values()
+        for out in client.outputs
+        if out.finish_reason is not None
+    ]
+
+
+def make_scheduler(tmp_path, monkeypatch, policy: KVPagePolicy, num_blocks: int):
+    """The scheduler of vLLM (its own test helper) over a PagedBlockPool."""
+    core_utils = pytest.importorskip(
+        "tests.v1.core.utils", reason="needs vLLM's tests/v1/core/utils.py"
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # The engine core attaches the policy to the scheduler's KV cache config.
+    monkeypatch.setattr(
+        core_utils,
+        "KVCacheConfig",
+        lambda **kwargs: KVCacheConfig(**kwargs, kv_page_policy=policy),
+    )
+    scheduler = core_utils.create_scheduler(
+        model=str(tmp_path),
+        num_blocks=num_blocks,
+        block_size=16,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+    )
+    return scheduler, core_utils.create_requests
+
+
+@requires_vmm_kv_wiring
+def test_requests_wait_and_are_preempted_while_no_page_maps_then_proceed(
+    tmp_path, monkeypatch
+):
+    from vllm.v1.request import RequestStatus
+
+    num_blocks = 64
+    policy, status = make_policy(num_blocks // BPP, num_ranks=2, ahead_blocks=0)
+    ranks = Ranks(policy, status)
+    scheduler, create_requests = make_scheduler(
+        tmp_path, monkeypatch, policy, num_blocks
+    )
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, PagedBlockPool)
+    clock = Clock()
+    pool.clock = clock
+    # Only the startup pages (the null block's and the headroom: 7 blocks)
+    # map; rank 1 has no memory for any other page.
+    ranks.failing = {1}
+    # 3 requests of 30 tokens (2 blocks each) that generate 100: each needs
+    # more blocks while it decodes, 9 in the end.
+    requests = create_requests(
+        num_requests=3, num_tokens=30, max_tokens=100, ignore_eos=True, block_size=16
+    )
+    for request in requests:
+        scheduler.add_request(request)
+
+    def check(output) -> None:
+        # Every block a scheduled request holds lies on a page both ranks
+        # have mapped before the step runs.
+        ops = output.kv_page_ops or KVPageOps()
+        on_both = ranks.on_every_rank() - set(ops.unmap)
+        for req_id in output.num_scheduled_tokens:
+            (blocks,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            assert {b // BPP for b in blocks} <= on_both, (req_id, blocks)
+
+    finished: list[str] = []
+    preempted = 0
+    for _ in range(60):
+        finished += _step(scheduler, ranks, clock, check)
+        preempted += sum(r.status == RequestStatus.PREEMPTED for r in requests)
+    # Nothing finished (each needs 9 blocks in the end, only 7 exist), the
+    # engine kept stepping, requests were preempted by vLLM's scheduler, and
+    # the failed maps were counted.
+    assert not finished
+    assert preempted > 0
+    assert pool.make_page_stats().map_failures_total > 0
+    assert pool.num_mapped_pages == 2
+    # The memory is back: every request completes.
+    ranks.failing = set()
+    for _ in range(400):
+        finished += _step(scheduler, ranks, clock, check)
+        if len(finished) == len(requests):
+            break
+    assert sorted(finished) == sorted(r.request_id for r in requests)
+    assert all(len(r.output_token_ids) == 100 for r in requests)
+
+
+# -- the worker --------------------------------------------------------------
+
+
+def make_mapper(monkeypatch, policy: KVPagePolicy, num_blocks: int = 64):
+    """A rank's mapper over real host memory: two 2 MiB regions per page of
+    4 blocks (the geometry the engine core would derive from a KV cache
+    config, given directly)."""
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=1 << 20, num_regions=2)], num_blocks, 2 << 20
+    )
+    assert geometry.blocks_per_page == BPP
+    monkeypatch.setattr(worker_module, "kv_page_geometry", lambda *args: geometry)
+    monkeypatch.setattr(
+        worker_module, "virtual_kv_cache_config", lambda config, geometry: config
+    )
+    return KVPageMapper(object(), policy, torch.device("cpu"))
+
+
+def test_a_page_the_device_has_no_memory_for_is_reported_not_waited_for(
+    monkeypatch, map_failures
+):
+    policy, status = make_policy(16, num_ranks=1, ahead_blocks=0)
+    mapper = make_mapper(monkeypatch, policy)
+    try:
+        assert mapper.reporting and status.counts(0) == (1, 0)
+        map_failures.rate = 1.0
+        status.reset([2, 3])
+        start = time.monotonic()
+        mapper.apply(KVPageOps(map=[2]))
+        mapper.apply(KVPageOps(ahead=[3]))
+        mapper.apply_ahead(KVPageOps(ahead=[3]))
+        assert time.monotonic() - start < 1.0  # tried once each, not retried
+        assert status.counts(2) == status.counts(3) == (0, 1)
+        assert not mapper.table.is_mapped(2) and not mapper.table.is_mapped(3)
+        assert mapper.stats()["kv_map_failures_total"] == 2
+        # Asked for again once the memory is back.
+        map_failures.rate = 0.0
+        status.reset([2])
+        mapper.apply(KVPageOps(map=[2]))
+        assert status.counts(2) == (1, 0) and mapper.table.is_mapped(2)
+    finally:
+        mapper.close()
+
+
+def test_ahead_pages_of_a_step_without_a_forward_pass_are_mapped_at_the_next(
+    monkeypatch,
+):
+    policy, status = make_policy(16, num_ranks=1, ahead_blocks=0)
+    mapper = make_mapper(monkeypatch, policy)
+    try:
+        status.reset([2])
+        mapper.apply(KVPageOps(ahead=[2]))  # no forward pass: no apply_ahead
+        assert status.counts(2) == (0, 0)
+        mapper.apply(KVPageOps())
+        assert status.counts(2) == (1, 0) and mapper.table.is_mapped(2)
+    finally:
+        mapper.close()
+
+
+def test_startup_that_cannot_map_fails_at_once_naming_the_memory(
+    monkeypatch, map_failures, ledger_dir
+):
+    monkeypatch.setattr(worker_module, "STARTUP_MAP_TIMEOUT_S", 0.3)
+    # Another engine holds KV memory of this device (the host's ledger).
+    other = KVMemoryLedger("host")
+    other.join(
+        capacity_bytes=1 << 30, name="engine-b", mapped_bytes=96 << 20, floor_bytes=0
+    )
+    policy, status = make_policy(16, num_ranks=1, ahead_blocks=8)
+    map_failures.rate = 1.0
+    start = time.monotonic()
+    with pytest.raises(VmmOutOfMemoryError) as info:
+        make_mapper(monkeypatch, policy)
+    assert time.monotonic() - start < 2.0
+    message = str(info.value)
+    assert "3 of the 3 KV cache pages mapped at startup" in message
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in message  # the backend's own error
+    assert "host memory:" in message and "KV memfd" in message
+    assert "engine-b (pid" in message and "96 MiB mapped" in message
+    assert "--max-num-batched-tokens" in message
+    assert status.counts(0) == (0, 0)  # nothing reported: the rank failed
+
+
+def test_startup_maps_through_failures_that_retries_get_past(monkeypatch, map_failures):
+    policy, status = make_policy(16, num_ranks=1, ahead_blocks=8)
+    map_failures.rate = 0.5
+    mapper = make_mapper(monkeypatch, policy)
+    try:
+        assert map_failures.count > 0
+        assert mapper.table.mapped_pages() == [0, 1, 2]
+        assert status.counts(0) == status.counts(2) == (1, 0)
+    finally:
+        mapper.close()
+
+
+def test_without_page_reports_a_page_the_step_needs_fails_after_the_bound(
+    monkeypatch, map_failures
+):
+    # A rank on another host than the engine core: no page report.
+    monkeypatch.setattr(worker_module, "NEEDED_MAP_TIMEOUT_S", 0.3)
+    policy = KVPagePolicy(
+        granularity=2 << 20, blocks_per_page=BPP, max_pages=16, ahead_blocks=0
+    )
+    mapper = make_mapper(monkeypatch, policy)
+    try:
+        assert not mapper.reporting
+        map_failures.rate = 1.0
+        start = time.monotonic()
+        with pytest.raises(VmmOutOfMemoryError, match=r"pages \[2\] that this step"):
+            mapper.apply(KVPageOps(map=[2]))
+        assert time.monotonic() - start < 2.0
+    finally:
+        map_failures.rate = 0.0
+        mapper.close()
