@@ -5,8 +5,9 @@
 
 Writes one `git format-patch` file per patch of the series into build/export/vllm-X/ (or
 --out). The overlay is not sent as a commit of its own: each of its files goes into the first
-patch, in series order, that uses it (see `place_overlay` and docs/CONTRIBUTING.md, "Export a
-patch as an upstream PR"), so every patch brings the new files it needs and nothing else.
+patch, in series order, whose code uses it (see `place_overlay` and docs/CONTRIBUTING.md,
+"Export a patch as an upstream PR"), so every patch brings the new files it needs and nothing
+else.
 Every exported commit is authored by you and carries your `Signed-off-by:`, from the
 `user.name` / `user.email` git config of this checkout. Refuses if the build tree is not
 exactly the current series. Before it reports success it checks that the files are what a
@@ -71,8 +72,14 @@ def user_ident(checkout: Path = ROOT) -> tuple[str, str]:
 # Which patch each overlay file goes into
 
 TEST_NAME = re.compile(r"^(test_.*|.*_test)\.py$")
+# A string in code that is, as a whole, a module path (`vllm.v1.kv_vmm.pages`), a qualified name
+# in it (`vllm.v1.kv_vmm.pages.KVPagePolicy`) or an entry point (`vllm.v1.kv_vmm.ledger_cli:main`).
+MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_][\w.]*)?$")
+# Non-Python files other than docs: dotted module paths and file paths in their text.
 DOTTED = re.compile(r"\b(?:vllm|tests)(?:\.[A-Za-z_]\w*)+")
 PATHLIKE = re.compile(r"\b(?:vllm|tests)(?:/[\w.-]+)+")
+# Prose: a module it names is mentioned, not used.
+DOC_SUFFIXES = (".md", ".rst", ".txt")
 
 
 def is_test_side(rel: str) -> bool:
@@ -81,6 +88,10 @@ def is_test_side(rel: str) -> bool:
 
 def is_test_file(rel: str) -> bool:
     return is_test_side(rel) and bool(TEST_NAME.match(PurePosixPath(rel).name))
+
+
+def is_doc(rel: str) -> bool:
+    return rel.endswith(DOC_SUFFIXES) or PurePosixPath(rel).parts[0] == "docs"
 
 
 def is_compat(rel: str) -> bool:
@@ -99,27 +110,116 @@ def module_of(rel: str) -> str | None:
     return ".".join(parts)
 
 
+def python_uses(rel: str, text: str) -> tuple[set[str], set[str]]:
+    """(dotted names, file paths) that the code of Python file `rel` uses, read with `ast`:
+
+    - every import statement, wherever it is: module level, inside a function (lazy), under
+      `if TYPE_CHECKING:` (a type checker resolves those, so the module must exist for the
+      patch to pass the release's mypy), absolute or relative;
+    - every string constant of the code that is, as a whole, a module path, a qualified name
+      or an entry point (`importlib.import_module("vllm.x")`, `resolve_obj_by_qualname(...)`,
+      a registry entry, `mock.patch("vllm.x.f")`, `[python, "-m", "vllm.x"]`), and
+      `import_module(".x", package="vllm.y")`; a string that is exactly a file path is kept
+      as a path.
+
+    Comments are not code, and docstrings and other bare string statements are not either:
+    a module they name is not used. Nor are the literal parts of f-strings (messages). A file
+    that does not parse here is read as `text_uses` reads other files, with a warning."""
+    try:
+        tree = ast.parse(text, filename=rel)
+    except SyntaxError as e:
+        # Not code this interpreter can read (a patch that breaks it, a later Python's
+        # syntax): the names in its text are the best guess. `make check-bisect` fails it.
+        print(f"warning: {rel} is not valid Python here ({e.msg}, line {e.lineno}): placed "
+              "by the module names in its text", file=sys.stderr)
+        return text_uses(text)
+    package = PurePosixPath(rel).parent.parts
+    names: set[str] = set()
+    paths: set[str] = set()
+    prose: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            prose.add(id(node.value))  # a docstring or a bare string statement
+        elif isinstance(node, ast.JoinedStr):
+            prose.update(id(v) for v in node.values)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            names.add(mod)
+            names.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and _relative_import_module(node):
+            names.add(_relative_import_module(node))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in prose):
+            value = node.value.strip()
+            if MODULE_PATH.match(value):
+                names.add(value.replace(":", "."))
+            elif "/" in value and PATHLIKE.fullmatch(value):
+                paths.add(value)
+    return names, paths
+
+
+def _relative_import_module(call: ast.Call) -> str:
+    """The module of `import_module(".x", package="a.b")` (or `"a.b"` as second argument)."""
+    func = call.func
+    fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if fname != "import_module" or not call.args:
+        return ""
+    first = call.args[0]
+    pkg = call.args[1] if len(call.args) > 1 else next(
+        (k.value for k in call.keywords if k.arg == "package"), None)
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)
+            and first.value.startswith(".") and isinstance(pkg, ast.Constant)
+            and isinstance(pkg.value, str)):
+        return ""
+    name = first.value
+    level = len(name) - len(name.lstrip("."))
+    parts = pkg.value.split(".")
+    base = parts[: len(parts) - (level - 1)] if level > 1 else parts
+    return ".".join([*base, *([name.lstrip(".")] if name.lstrip(".") else [])])
+
+
+def text_uses(text: str) -> tuple[set[str], set[str]]:
+    """(dotted names, file paths) a non-Python, non-doc file (a config, a CI step, a shell
+    script) names: such files name a module to load or run it. Whole-line `#` comments are
+    left out."""
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    return set(DOTTED.findall(code)), set(PATHLIKE.findall(code))
+
+
+def is_program(rel: str, text: str) -> bool:
+    """A module run as a program: it has an `if __name__ == "__main__":` block."""
+    if not rel.endswith(".py"):
+        return False
+    try:
+        body = ast.parse(text, filename=rel).body
+    except SyntaxError:
+        return False
+    for node in body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+                and test.left.id == "__name__" and len(test.comparators) == 1
+                and isinstance(test.comparators[0], ast.Constant)
+                and test.comparators[0].value == "__main__"):
+            return True
+    return False
+
+
 def references(rel: str, text: str, modules: dict[str, str], paths: set[str]) -> set[str]:
-    """Overlay files that file `rel` (contents `text`) refers to: imports (absolute or
-    relative, lazy ones too), dotted module paths and file paths anywhere in the text."""
-    names: set[str] = set(DOTTED.findall(text))
-    if rel.endswith(".py"):
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            tree = None
-        package = PurePosixPath(rel).parent.parts
-        for node in ast.walk(tree) if tree else ():
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package[: len(package) - (node.level - 1)]
-                    mod = ".".join([*base, *([node.module] if node.module else [])])
-                else:
-                    mod = node.module or ""
-                names.add(mod)
-                names.update(f"{mod}.{a.name}" for a in node.names)
+    """Overlay files that the code of file `rel` (contents `text`) uses (see `python_uses`,
+    `text_uses`); docs use none."""
+    if rel.endswith((".py", ".pyi")):
+        names, named_paths = python_uses(rel, text)
+    elif is_doc(rel):
+        return set()
+    else:
+        names, named_paths = text_uses(text)
     found = set()
     for name in names:
         parts = name.split(".")
@@ -128,7 +228,7 @@ def references(rel: str, text: str, modules: dict[str, str], paths: set[str]) ->
             if hit:
                 found.add(hit)
                 break
-    found.update(m for m in PATHLIKE.findall(text) if m in paths)
+    found.update(p for p in named_paths if p in paths)
     found.discard(rel)
     return found
 
@@ -147,12 +247,14 @@ class Placement:
 def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placement:
     """The rule (docs/CONTRIBUTING.md, "Export a patch as an upstream PR"):
 
-    - a file outside tests/ goes into the first patch that uses it: refers to it (import,
-      module path, file path) or uses an overlay file that does (transitively); a module
-      needs its package's __init__.py, so that goes with it;
+    - a file outside tests/ goes into the first patch that uses it: code of a file the patch
+      changes imports it or names its module as a string (`references`), or uses an overlay
+      file that does (transitively); a module needs its package's __init__.py, so that goes
+      with it; a program (`if __name__ == "__main__":`) that nothing imports goes where the
+      last overlay module it imports arrives;
     - a test file (tests/**/test_*.py) goes with the module it tests: into the patch where the
       last overlay file it needs (its imports, its conftest.py/__init__.py, through support
-      modules such as utils.py) arrives, or earlier where a patch names it;
+      modules such as utils.py) arrives, or earlier where a patch's code names it;
     - other files under tests/ (conftest.py, utils.py, __init__.py) go with the first test
       that needs them;
     - unused: a compat module (compat.py, _compat.py, compat/) is dropped (the release needs
@@ -188,6 +290,13 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
                 if not is_test_side(dep) and at.get(dep, len(patch_refs)) > i:
                     at[dep] = i
                     changed = True
+    # A program (`python -m vllm.x`) that no patch imports: where the last overlay module it
+    # imports arrives (it drives that module, and cannot come before it).
+    for rel in sorted(files):
+        if not is_test_side(rel) and rel not in at and is_program(rel, files[rel]):
+            needs = {d for d in deps[rel] if not is_test_side(d)}
+            if needs and needs <= set(at):
+                at[rel] = max(at[d] for d in needs)
     unused = sorted(rel for rel in files if not is_test_side(rel) and rel not in at)
     by_dir: dict[str, list[str]] = {}
     for rel in files:
@@ -247,8 +356,9 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         raise SeriesError(
             "these overlay files are used by no patch of the series, so the export has no "
             "patch to send them with:\n  " + "\n  ".join(sorted(orphans)) + "\n(a patch uses a "
-            "file when it imports it or names its module or path, directly or through another "
-            "overlay file; a test goes with the modules it imports)",
+            "file when its code imports it or names its module in a string, directly or "
+            "through another overlay file; a docstring or comment that names it is no use; a "
+            "test goes with the modules it imports)",
             "Use them from the patch they belong to, or delete them from vllm_overlay/ "
             "(a shim some releases need is a compat module: name it compat.py).",
         )
@@ -258,7 +368,8 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
 
 def patch_references(tree: Path, commit: str, modules: dict[str, str],
                      paths: set[str]) -> set[str]:
-    """Overlay files the files a topic commit changes refer to, as they are after it."""
+    """Overlay files that the code of the files a topic commit changes uses, as they are
+    after it."""
     changed = git_out(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
                       f"{commit}^", commit)
     found: set[str] = set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -328,6 +328,130 @@ def test_export_folds_each_overlay_file_into_the_first_patch_that_uses_it(projec
     assert "vllm/newpkg/base.py" in ls and "vllm/newpkg/mod.py" not in ls
 
 
+def _commit(project: Project, version: str, files: dict[str, str], message: str) -> None:
+    """One commit of the series with these files and this exact message, then refresh."""
+    project.run("apply.py", "--version", version)
+    for rel, text in files.items():
+        (project.tree(version) / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project.tree(version) / rel).write_text(text)
+        project.git(version, "add", rel)
+    project.git(version, "commit", "-q", "-m", message)
+    project.run("refresh.py", "--version", version)
+
+
+def _scripts_module(name: str):
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+USES = '''"""Module docstring naming vllm.newpkg.doc_only and vllm/newpkg/doc_only.py."""
+# A comment naming vllm.newpkg.comment_only.
+import importlib
+from typing import TYPE_CHECKING
+
+from . import sibling
+from .sub import deep
+
+if TYPE_CHECKING:
+    from vllm.newpkg.typing_only import T
+
+
+class K:
+    """Class docstring: vllm.newpkg.doc_only."""
+
+    attr = 1
+    """Attribute docstring: vllm.newpkg.doc_only."""
+
+
+def f(x):
+    """Function docstring: vllm.newpkg.doc_only."""
+    from vllm.newpkg.lazy import g
+
+    importlib.import_module("vllm.newpkg.by_string")
+    importlib.import_module(".relative_string", package="vllm.newpkg")
+    register("Name", "vllm.newpkg.registered", "Cls")
+    resolve_obj_by_qualname("vllm.newpkg.qualname.Cls")
+    run([sys.executable, "-m", "vllm.newpkg.program"])
+    patch("vllm.newpkg.mocked:attr")
+    print(f"a message naming vllm.newpkg.in_message {x}")
+    print("a sentence about vllm.newpkg.in_sentence")
+    return g(x)
+'''
+
+
+def test_export_reads_code_uses_with_ast_not_text():
+    export = _scripts_module("export")
+    mods = ["doc_only", "comment_only", "sibling", "sub.deep", "typing_only", "lazy",
+            "by_string", "relative_string", "registered", "qualname", "program", "mocked",
+            "in_message", "in_sentence"]
+    files = {f"vllm/newpkg/{m.replace('.', '/')}.py": "" for m in mods}
+    files["vllm/newpkg/__init__.py"] = ""
+    files["vllm/newpkg/sub/__init__.py"] = ""
+    modules = {m: rel for rel in files if (m := export.module_of(rel))}
+    found = export.references("vllm/newpkg/user.py", USES, modules, set(files))
+    used = sorted(PurePosixPath(f).stem if PurePosixPath(f).stem != "__init__"
+                  else PurePosixPath(f).parent.name for f in found)
+    # Imports anywhere (relative, lazy, TYPE_CHECKING) and strings that are a module path,
+    # a qualified name or an entry point count; docstrings, comments, messages do not.
+    assert used == sorted(["newpkg", "sibling", "sub", "deep", "typing_only", "lazy",
+                           "by_string", "relative_string", "registered", "qualname",
+                           "program", "mocked"]), used
+    # Prose files name modules without using them; other files (a CI step) use what they
+    # name outside comments.
+    assert export.references("docs/newpkg.md", "See `vllm.newpkg.lazy`.", modules,
+                             set(files)) == set()
+    ci = "# vllm.newpkg.doc_only\nsteps:\n  - python -m vllm.newpkg.program\n"
+    assert export.references(".buildkite/x.yaml", ci, modules, set(files)) == {
+        "vllm/newpkg/program.py"}
+
+
+PLACED = {
+    "vllm/newpkg/__init__.py": '"""The package. Same-host reads: :mod:`vllm.newpkg.extra`."""\n',
+    "vllm/newpkg/lazy.py": "def g():\n    return 1\n",
+    "vllm/newpkg/extra.py": "E = 1\n",
+    "vllm/newpkg/cli.py": '"""python -m vllm.newpkg.cli"""\nfrom vllm.newpkg.extra import E\n\n'
+                          'if __name__ == "__main__":\n    print(E)\n',
+    "tests/newpkg/__init__.py": "",
+    "tests/newpkg/test_lazy.py": "from vllm.newpkg.lazy import g\n",
+    "tests/newpkg/test_extra.py": "def test_e():\n    from vllm.newpkg.extra import E\n",
+    "tests/newpkg/test_cli.py": "from vllm.newpkg.cli import E\n",
+}
+
+
+def test_export_places_a_file_where_code_uses_it_not_where_text_names_it(project: Project):
+    _overlay(project, PLACED)
+    # A: imports the package, whose docstring names `extra`; its own docstring and comment
+    # name `extra` too, and a doc it adds names it. None of that is a use.
+    project.run("apply.py", "--version", V1)
+    tree = project.tree(V1)
+    core = (tree / "vllm" / "core.py").read_text()
+    core = core.replace("def f3(x):\n", 'def f3(x):\n    """Unlike vllm.newpkg.extra."""\n'
+                        "    import vllm.newpkg  # noqa: F401  (not vllm.newpkg.extra)\n")
+    _commit(project, V1, {"vllm/core.py": core, "docs/newpkg.md": "Uses vllm.newpkg.extra.\n"},
+            "[Core] A imports the package\n\nBody.\n\nSigned-off-by: T <t@example.com>\n")
+    # B: a lazy import, inside a function.
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    from vllm.newpkg.lazy import g  # noqa: F401\n", "[Core] B lazy")
+    # C: a module path as a string in code.
+    add_patch(project, V1, "vllm/core.py", "def f9(x):\n",
+              'def f9(x):\n    __import__("importlib").import_module("vllm.newpkg.extra")\n',
+              "[Core] C by name")
+    proc, files = _export(project)
+    assert _files_in(files[0]) == ["docs/newpkg.md", "vllm/core.py", "vllm/newpkg/__init__.py"], \
+        proc.stdout
+    assert _files_in(files[1]) == ["tests/newpkg/__init__.py", "tests/newpkg/test_lazy.py",
+                                   "vllm/core.py", "vllm/newpkg/lazy.py"]
+    # The program no module imports goes where the module it drives arrives, with its test.
+    assert _files_in(files[2]) == ["tests/newpkg/test_cli.py", "tests/newpkg/test_extra.py",
+                                   "vllm/core.py", "vllm/newpkg/cli.py", "vllm/newpkg/extra.py"]
+
+
 def test_export_authors_and_signs_off_as_the_contributor(project: Project):
     add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
     # The series' own sign-off (the identity of commit_in_tree) is kept; the exporter's last.
@@ -394,7 +518,7 @@ def test_export_applies_with_git_am_onto_pristine_and_reproduces_the_tree(projec
     """What a reviewer does with the export: `git am` onto the released tree, nothing else."""
     _overlay(project, NEWPKG)
     add_patch(project, V1, "vllm/core.py", "return x + 3\n",
-              "return x + 30  # vllm/newpkg/mod.py\n", "[Core] A")
+              "return x + 30 if __import__(\"vllm.newpkg.mod\") else 0\n", "[Core] A")
     add_patch(project, V1, "vllm/core.py", "return x + 9\n", "return x * 9\n", "[Core] B")
     _, files = _export(project)
     tree = project.tree(V1)
