@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
 """Export the series of a release as upstream-ready patches, one per topic.
 
-  python3 scripts/export.py --version 0.32.0 [--out DIR]
+  python3 scripts/export.py --version 0.32.0 [--out DIR] [--draft]
 
 Writes one `git format-patch` file per patch of the series into build/export/vllm-X/ (or
 --out). The overlay is not sent as a commit of its own: each of its files goes into the first
 patch, in series order, whose code uses it (see `place_overlay` and docs/CONTRIBUTING.md,
 "Export a patch as an upstream PR"), so every patch brings the new files it needs and nothing
-else.
-Every exported commit is authored by you and carries your `Signed-off-by:`, from the
-`user.name` / `user.email` git config of this checkout. Refuses if the build tree is not
-exactly the current series. Before it reports success it checks that the files are what a
-reviewer gets: `git am` of them, in order, onto the pristine release gives, patch by patch,
-the commits it exported and, at the end, exactly the patched tree (less the overlay files the
-release does not use, which it names).
+else. Every exported commit is authored by you and carries your `Signed-off-by:` as its only
+sign-off, from the `user.name` / `user.email` git config of this checkout; project-only notes
+(`Drop when:`, "On vX.Y.Z ...", "Checked on vX.Y.Z: ...") are stripped from the messages and
+named. A subject longer than 72 characters or without a vLLM `[Area]` prefix stops the export
+(--draft: named, not refused). Refuses if the build tree is not exactly the current series.
+Before it reports success it checks that the files are what a reviewer gets: `git am` of them,
+in order, onto the pristine release gives, patch by patch, the commits it exported and, at the
+end, exactly the patched tree (less the overlay files the release does not use, which it
+names).
 """
 
 from __future__ import annotations
@@ -384,13 +386,82 @@ def patch_references(tree: Path, commit: str, modules: dict[str, str],
 # The exported commits
 
 
-def signed_message(message: str, name: str, email: str) -> str:
-    """The commit message with the exporter's Signed-off-by as the last trailer: the series'
-    sign-off with the same email is replaced, any other kept; every one must be well-formed."""
+# Lines of a patch message that speak of this project, not of the change: a reviewer upstream
+# has no use for them. Each starts a note that runs to the end of its paragraph (or to a
+# trailer line such as `Signed-off-by:`). They belong in the notes at the top of
+# patches/vX/series; the export strips them and says so, `make check-series` names the
+# patches that still carry them.
+PROJECT_NOTES = [
+    (re.compile(r"^Drop when:"), "`Drop when:` (when the series can drop the patch)"),
+    (re.compile(r"^On (?:vLLM )?v?\d+\.\d+(?:\.\d+)?\b"),
+     "`On vX.Y.Z ...` (how the patch differs on one release)"),
+    (re.compile(r"^Checked on (?:vLLM )?v?\d+\.\d+(?:\.\d+)?\b"),
+     "`Checked on vX.Y.Z: file:line` (where the defect was read in one release)"),
+]
+TRAILER = re.compile(r"^[A-Za-z][\w-]*: \S")
+SIGNOFF_ANY = re.compile(r"^Signed-off-by:", re.I)
+SUBJECT_MAX = 72
+# vLLM's commit subjects start with one or more tags naming the area: [Core], [KV Connector],
+# [Bugfix][PP], [Frontend], [Metrics], [Docs], [CI/Build], [Misc], [torch.compile], ...
+AREA_PREFIX = re.compile(r"^(?:\[[^\[\]\s][^\[\]]*\])+ \S")
+
+
+def is_project_note(line: str) -> bool:
+    return any(rx.match(line) for rx, _ in PROJECT_NOTES)
+
+
+def strip_project_notes(message: str) -> tuple[str, list[str]]:
+    """(message without project-only notes, the notes it had, one string each). The subject
+    line is never a note."""
     lines = message.rstrip("\n").split("\n")
-    mine = f"Signed-off-by: {name} <{email}>"
-    kept = [ln for ln in lines if not (ln.startswith("Signed-off-by:")
-                                        and ln.rstrip().endswith(f"<{email}>"))]
+    out, notes = lines[:1], []
+    note: list[str] | None = None
+    for line in lines[1:]:
+        if is_project_note(line):
+            note = [line]
+            notes.append(note)
+            continue
+        if note is not None:
+            if line.strip() and not TRAILER.match(line):
+                note.append(line)
+                continue
+            note = None
+        out.append(line)
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(out)).rstrip("\n")
+    return text + "\n", ["\n".join(n) for n in notes]
+
+
+def subject_problems(subject: str) -> list[str]:
+    """What makes `subject` unfit for an upstream commit (empty when it is fine)."""
+    problems = []
+    if len(subject) > SUBJECT_MAX:
+        problems.append(f"{len(subject)} characters, more than {SUBJECT_MAX}")
+    if not AREA_PREFIX.match(subject):
+        problems.append("no vLLM area prefix such as `[Core] `, `[KV Connector] `, "
+                        "`[Bugfix] `, `[Frontend] `, `[Metrics] `, `[Docs] `, `[CI] `, "
+                        "`[Misc] `")
+    return problems
+
+
+def message_problems(message: str) -> list[str]:
+    """The subject's problems and the project-only notes of a patch message, one line each,
+    for reports (`make check-series`)."""
+    subject = message.split("\n", 1)[0]
+    found = [f"subject {subject!r}: {p}" for p in subject_problems(subject)]
+    for note in strip_project_notes(message)[1]:
+        first = note.split("\n", 1)[0]
+        found.append(f"project-only note: {first[:60]!r}"
+                     + (" ..." if "\n" in note or len(first) > 60 else ""))
+    return found
+
+
+def export_message(message: str, name: str, email: str) -> tuple[str, list[str]]:
+    """(the commit message as exported, the project-only notes stripped from it).
+
+    The exporter's Signed-off-by is the last trailer and the only sign-off: every other
+    `Signed-off-by:` line of the series is dropped (other trailers stay)."""
+    text, notes = strip_project_notes(message)
+    kept = [ln for ln in text.rstrip("\n").split("\n") if not SIGNOFF_ANY.match(ln)]
     while kept and not kept[-1].strip():
         kept.pop()
     last_para = []
@@ -399,17 +470,18 @@ def signed_message(message: str, name: str, email: str) -> str:
             break
         last_para.append(ln)
     is_trailers = bool(last_para) and len(kept) > len(last_para) and all(
-        re.match(r"^[A-Za-z][\w-]*: \S", ln) for ln in last_para)
+        TRAILER.match(ln) for ln in last_para)
+    mine = f"Signed-off-by: {name} <{email}>"
     out = [*kept, mine] if is_trailers else [*kept, "", mine]
-    for ln in out:
-        if ln.startswith("Signed-off-by") and not SIGNOFF_RE.match(ln):
-            raise SeriesError(f"a commit message has a malformed sign-off line: {ln!r}",
-                              "Fix it in the build tree (`git rebase -i`), `make refresh`, "
-                              "then export again.")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n", notes
 
 
-def export(release, out: Path) -> list[Path]:
+def export(release, out: Path, draft: bool = False,
+           ident: tuple[str, str] | None = None) -> list[Path]:
+    """Write the exported patches of `release` into `out`; return them.
+
+    `draft`: subjects that break the rule are reported, not refused (a stack to look at or to
+    bisect, not to send). `ident`: (name, email) instead of this checkout's git identity."""
     tree = require_applied_tree(release, "export")
     state = read_state(tree)
     commits = commits_after(tree, release.tag)
@@ -425,17 +497,30 @@ def export(release, out: Path) -> list[Path]:
             f"`make apply VLLM_VERSION={release.version}` to bring the tree up to date, then "
             "export again.",
         )
-    name, email = user_ident()
+    name, email = ident or user_ident()
     overlay_commit, topics = commits[0], commits[1:]
     if not topics:
         raise SeriesError(f"the series of {release.tag} has no patch to export.")
+    names = [git_out(tree, "log", "-1", "--format=%s", c) for c in topics]
+    bad = [(n, p) for n in names if (p := subject_problems(n))]
+    if bad:
+        listing = "\n".join(f"  {n!r}: {'; '.join(p)}" for n, p in bad)
+        if not draft:
+            raise SeriesError(
+                f"{len(bad)} of the {len(names)} patch subjects of {release.tag} are not fit "
+                f"for an upstream commit (at most {SUBJECT_MAX} characters, starting with a "
+                f"vLLM area prefix such as `[Core]`):\n{listing}",
+                "Reword them in the build tree (`git rebase -i` with `reword`), "
+                f"`make refresh VLLM_VERSION={release.version}`, then export again "
+                "(`python3 scripts/export.py --draft` writes the patches anyway, to look at).",
+            )
+        print(f"warning: subjects not fit for an upstream commit (--draft):\n{listing}")
     files = {str(rel): git(tree, "show", f"{overlay_commit}:{rel}").stdout
              for rel in overlay_files()}
     modules = {m: rel for rel in files if (m := module_of(rel))}
     refs = [patch_references(tree, c, modules, set(files)) for c in topics]
-    names = [git_out(tree, "log", "-1", "--format=%s", c) for c in topics]
     placed = place_overlay(files, refs)
-    exported = build_commits(tree, release.tag, topics, placed, name, email)
+    exported, stripped = build_commits(tree, release.tag, topics, placed, name, email)
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -449,17 +534,26 @@ def export(release, out: Path) -> list[Path]:
             print(f"{name_}: with {len(added)} overlay files: {', '.join(added)}")
     for rel, why in sorted(placed.dropped.items()):
         print(f"not exported: {rel} ({why})")
+    for patch, notes in zip(patches, stripped):
+        for note in notes:
+            lines = note.split("\n")
+            more = f" (+{len(lines) - 1} lines)" if len(lines) > 1 else ""
+            print(f"warning: {patch.name}: project-only note stripped: {lines[0]!r}{more}")
+    if any(stripped):
+        print(f"(project-only notes belong in the notes of patches/{release.tag}/series; "
+              "`make check-series` lists the patches that carry them)")
     return patches
 
 
 def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, name: str,
-                  email: str) -> list[str]:
+                  email: str) -> tuple[list[str], list[list[str]]]:
     """One commit per topic on the pristine tag: the topic's tree less the overlay files of
-    later topics (and the dropped ones), your identity, the message signed off by you."""
+    later topics (and the dropped ones), your identity, the message as `export_message` makes
+    it. Returns the commits and, per commit, the project-only notes stripped."""
     ident = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
              "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
     parent = git_out(tree, "rev-parse", f"{base}^{{commit}}")
-    out = []
+    out, stripped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         env = {**ident, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         for i, commit in enumerate(topics):
@@ -469,12 +563,14 @@ def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, n
                 git(tree, "update-index", "--force-remove", "--", *sorted(later), env=env)
             new_tree = git_out_env(tree, env, "write-tree")
             msg = Path(tmp) / "msg"
-            msg.write_text(signed_message(git_out(tree, "log", "-1", "--format=%B", commit),
-                                          name, email))
+            text, notes = export_message(git_out(tree, "log", "-1", "--format=%B", commit),
+                                         name, email)
+            msg.write_text(text)
+            stripped.append(notes)
             parent = git_out_env(tree, env, "commit-tree", new_tree, "-p", parent, "-F",
                                  str(msg), dated=False)
             out.append(parent)
-    return out
+    return out, stripped
 
 
 def git_out_env(tree: Path, env: dict, *args: str, dated: bool = True) -> str:
@@ -531,10 +627,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--version", default=os.environ.get("VLLM_VERSION") or None)
     p.add_argument("--out", type=Path)
+    p.add_argument("--draft", action="store_true",
+                   help="write the patches even when subjects break the rule (named): a stack "
+                        "to look at or bisect, not to send")
     args = p.parse_args()
     release = get_release(args.version)
     out = args.out or build_dir() / "export" / f"vllm-{release.version}"
-    files = export(release, out)
+    files = export(release, out, draft=args.draft)
     print(f"{len(files)} upstream-ready patches in {out}:")
     for f in files:
         print(f"  {f.name}")
