@@ -78,6 +78,7 @@ class Step:
     ok: bool = True
     summary: str = ""
     details: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # printed whether it failed or not
     seconds: float = 0.0
 
 
@@ -202,6 +203,7 @@ def ruff_step(ruff: Ruff, before: Counter, wt: Path, files: list[str], timeout: 
 
 
 SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] [^:]+(?::\d+)?: (.*)$")
 
 
 @dataclass
@@ -210,13 +212,14 @@ class TestRun:
     failed: list[str]
     rc: int
     tail: str
+    skip_reasons: Counter
 
 
 def pytest_run(python: str, wt: Path, args: list[str], env: dict, timeout: float,
                per_test: float) -> TestRun:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        rc, out = call([python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
+        rc, out = call([python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
                         "--tb=short", "-m", "not gpu", f"--timeout={per_test:.0f}",
                         f"--junitxml={xml}", *args], wt, timeout, env)
         counts: Counter = Counter()
@@ -229,12 +232,15 @@ def pytest_run(python: str, wt: Path, args: list[str], env: dict, timeout: float
                 counts["passed"] += int(suite.get("tests", 0)) - failed - skipped
         except (ET.ParseError, FileNotFoundError):
             pass
-    failed = []
+    failed, skips = [], Counter()
     for line in out.splitlines():
         m = SUMMARY_LINE.match(line)
         if m and m.group(2) not in failed:
             failed.append(m.group(2))
-    return TestRun(counts, failed, rc, "\n".join(out.strip().splitlines()[-15:]))
+        m = SKIP_LINE.match(line)
+        if m:
+            skips[m.group(2).strip()] += int(m.group(1))
+    return TestRun(counts, failed, rc, "\n".join(out.strip().splitlines()[-15:]), skips)
 
 
 def tests_step(python: str, wt: Path, files: list[str], added: set[str], env: dict,
@@ -270,6 +276,8 @@ def tests_step(python: str, wt: Path, files: list[str], added: set[str], env: di
         step.summary += f" ({len(before_too)} failing before the patch too)"
     step.details = [f"failed: {t}" for t in regressions] + [
         f"failing before the patch too: {t}" for t in before_too]
+    # A test that skips because a later patch is missing should arrive with that patch.
+    step.notes = [f"skipped ({n}): {why}" for why, n in sorted(run.skip_reasons.items())]
     if regressions:
         step.summary = f"{len(regressions)} failed of {len(tests)} files ({counted})"
     return step
@@ -347,7 +355,8 @@ def stack(release: Release, patches_dir: Path | None) -> list[Path]:
     out = build_dir() / ".bisect" / f"export-{release.version}"
     said = io.StringIO()
     with contextlib.redirect_stdout(said):  # placement and message notes: make export's business
-        files = export(release, out, draft=True, ident=BISECT_IDENT)
+        # No round trip of its own: the check applies them, one by one.
+        files = export(release, out, draft=True, ident=BISECT_IDENT, verify=False)
     print(f"exported {len(files)} patches of {release.tag} into {out} (`make export` without "
           "its message checks)", flush=True)
     return files
@@ -428,11 +437,11 @@ def _check_release(release: Release, args) -> tuple[list[PatchResult], int]:
 def report(result: PatchResult, width: int) -> None:
     print(result.line(width), flush=True)
     for step in result.steps:
-        if not step.ok:
-            for line in step.details[:30]:
-                print(f"      {step.name}: {line}")
-            if len(step.details) > 30:
-                print(f"      {step.name}: ... and {len(step.details) - 30} more")
+        shown = ([] if step.ok else step.details) + step.notes
+        for line in shown[:30]:
+            print(f"      {step.name}: {line}")
+        if len(shown) > 30:
+            print(f"      {step.name}: ... and {len(shown) - 30} more")
 
 
 def main() -> int:

@@ -83,8 +83,10 @@ def series(project: Project) -> Project:
     bisect_project(project)
     commit(project, {
         "vllm/core.py": core_with(project, "return x + 3\n", "return x + 30\n"),
-        "tests/test_thirty.py": "from vllm.core import f3\n\n\n"
-                                "def test_thirty():\n    assert f3(0) == 30\n",
+        "tests/test_thirty.py": "import pytest\n\nfrom vllm.core import f3\n\n\n"
+                                "def test_thirty():\n    assert f3(0) == 30\n\n\n"
+                                "@pytest.mark.skipif(True, reason='needs the Fifty patch')\n"
+                                "def test_thirty_with_fifty():\n    pass\n",
     }, "[Core] Thirty")
     commit(project, {
         "tests/test_fifty.py": "from vllm.core import f5\n\n\n"
@@ -103,7 +105,9 @@ def test_a_test_that_arrives_before_its_change_fails_that_patch(series: Project)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     by = lines(proc.stdout)
     assert list(by) == ["0001", "0002", "0003"], proc.stdout
-    assert "  OK  " in by["0001"] and "tests 1 files: 1 passed, 0 failed" in by["0001"]
+    assert "  OK  " in by["0001"] and "tests 1 files: 1 passed, 0 failed, 1 skipped" in by["0001"]
+    # A skip is no failure, but its reason is shown: a test waiting for a later patch.
+    assert "tests: skipped (1): needs the Fifty patch" in proc.stdout
     assert "  FAIL  tests: 1 failed of 1 files" in by["0002"]
     assert "tests: failed: tests/test_fifty.py::test_fifty" in proc.stdout
     # The release's own broken test fails before C as after it: not C's fault, but named.
@@ -227,3 +231,23 @@ def test_a_second_command_on_the_same_release_stops_instead_of_sharing_its_workt
     assert proc.returncode == 1
     assert f"is working on {series.tree(V1)}" in proc.stderr, proc.stderr
     assert bisect(series, "--cheap").returncode == 0  # the lock goes with its holder
+
+
+def test_the_ci_tier_counts_patches(project: Project, monkeypatch):
+    """`make test`'s bisect tier: the cheap check, one pass or failure per patch."""
+    bisect_project(project)
+    commit(project, {"vllm/bad.py": "def broken(:\n    pass\n"}, "[Core] Broken")
+    commit(project, {"vllm/bad.py": "def broken():\n    pass\n"}, "[Core] Mended")
+    for key, value in project.env.items():
+        if key.startswith("KVSERIES_"):
+            monkeypatch.setenv(key, value)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import run_tests
+    finally:
+        sys.path.pop(0)
+    results: list = []
+    run_tests.bisect(V1, results)
+    (label, rc, counts, _), = results
+    assert label == "1.0.0 bisect (compile, ruff)" and rc == 1
+    assert counts == {"passed": 1, "failed": 1, "skipped": 0}
