@@ -53,6 +53,7 @@ from export import TEST_NAME, export  # noqa: E402
 from lint import QUIET_ENV, diff_hunks, load_precommit, remote_hook, tool_venv  # noqa: E402
 from seriestool import (  # noqa: E402
     Release, SeriesError, build_dir, get_release, git, git_out, load_matrix, main_guard,
+    stop_on_sigterm,
 )
 from treework import tree_lock  # noqa: E402
 
@@ -114,11 +115,18 @@ def call(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> 
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        end_session(proc)
         raise StepTimeout(f"ran past its time limit of {timeout:.0f} s: {' '.join(cmd[:4])} ...")
+    except BaseException:  # Ctrl-C, SIGTERM (stop_on_sigterm): leave nothing running
+        end_session(proc)
+        raise
     return proc.returncode, out or ""
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,6 +453,7 @@ def report(result: PatchResult, width: int) -> None:
 
 
 def main() -> int:
+    stop_on_sigterm()  # a stopped check removes its worktree and ends its tests
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--version", default=os.environ.get("VLLM_VERSION") or None)
     p.add_argument("--all", action="store_true", help="every release of ci/matrix.toml")

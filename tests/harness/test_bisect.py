@@ -251,3 +251,39 @@ def test_the_ci_tier_counts_patches(project: Project, monkeypatch):
     (label, rc, counts, _), = results
     assert label == "1.0.0 bisect (compile, ruff)" and rc == 1
     assert counts == {"passed": 1, "failed": 1, "skipped": 0}
+
+
+def test_a_stopped_check_ends_its_tests_and_removes_its_worktree(project: Project,
+                                                                  tmp_path: Path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    bisect_project(project)
+    started = tmp_path / "started"
+    commit(project, {"tests/test_slow.py": "import os\nimport time\n\n\n"
+                                           "def test_slow():\n"
+                                           "    with open(os.environ['STARTED'], 'w') as f:\n"
+                                           "        f.write(str(os.getpid()))\n"
+                                           "    time.sleep(300)\n"},
+           "[Core] A slow test")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "check_bisect.py"),
+                             "--version", V1, "--python", sys.executable],
+                            env={**project.env, "STARTED": str(started)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert started.exists(), "the slow test never started"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out
+    test_pid = int(started.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(test_pid, 0)
+    assert not (project.root / "build" / ".bisect" / f"vllm-{V1}").exists()
