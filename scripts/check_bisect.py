@@ -282,10 +282,11 @@ def tests_step(python: str, wt: Path, files: list[str], added: set[str], env: di
     step.summary = f"{len(tests)} files: {counted}"
     if before_too:
         step.summary += f" ({len(before_too)} failing before the patch too)"
-    step.details = [f"failed: {t}" for t in regressions] + [
-        f"failing before the patch too: {t}" for t in before_too]
-    # A test that skips because a later patch is missing should arrive with that patch.
-    step.notes = [f"skipped ({n}): {why}" for why, n in sorted(run.skip_reasons.items())]
+    step.details = [f"failed: {t}" for t in regressions]
+    # Shown either way: the release's own broken tests, and tests that skip (one that skips
+    # because a later patch is missing should arrive with that patch).
+    step.notes = [f"failing before the patch too: {t}" for t in before_too] + [
+        f"skipped ({n}): {why}" for why, n in sorted(run.skip_reasons.items())]
     if regressions:
         step.summary = f"{len(regressions)} failed of {len(tests)} files ({counted})"
     return step

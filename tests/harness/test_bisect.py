@@ -113,6 +113,7 @@ def test_a_test_that_arrives_before_its_change_fails_that_patch(series: Project)
     # The release's own broken test fails before C as after it: not C's fault, but named.
     assert "  OK  " in by["0003"], proc.stdout
     assert "1 failing before the patch too" in by["0003"]
+    assert "tests: failing before the patch too: tests/test_old.py::test_broken" in proc.stdout
     assert "summary: vLLM 1.0.0: 2 of 3 patches OK; FAIL: 0002-" in proc.stdout
     # The build tree is left as it was; the worktree is gone.
     assert series.git(V1, "status", "--porcelain") == ""
