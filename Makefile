@@ -35,6 +35,10 @@ rebase:  ## carry the series FROM=<release> TO=<release>; writes patches/vTO/ + 
 check-series:  ## apply every release's series to its pristine tree; print a table
 	$(S)/check_series.py
 
+.PHONY: check-bisect
+check-bisect:  ## each exported patch of VLLM_VERSION on the ones before it compiles, passes ruff and its own tests (CHEAP=1: no tests)
+	$(S)/check_bisect.py $(if $(CHEAP),--cheap)
+
 lint:  ## vLLM's own pre-commit on what the series changes; fails on findings it adds vs pristine vX
 	$(S)/lint.py
 

@@ -10,17 +10,25 @@ any work in them are left alone. It applies the overlay and the series with the 
 context no longer matches fails, because a merge would hide that the patch went stale
 (`make refresh` after `make apply` rewrites it). With --3way such a patch passes and is
 named in the result.
+
+It also reads every patch's message as upstream would get it (scripts/export.py's rules):
+a subject of more than 72 characters or without a vLLM `[Area]` prefix, and project-only
+notes (`Drop when:`, "On vX.Y.Z ...", "Checked on vX.Y.Z: ...", which belong in the notes at
+the top of patches/vX/series) are listed under the table and fail the check.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from buildtree import apply_onto, ensure_pristine, scratch_worktree  # noqa: E402
-from seriestool import SeriesError, load_matrix, main_guard, read_series  # noqa: E402
+from export import message_problems  # noqa: E402
+from seriestool import SeriesError, load_matrix, main_guard, read_series, run  # noqa: E402
 
 
 def check_release(release, three_way: bool = False) -> tuple[int, str]:
@@ -44,6 +52,31 @@ def check_release(release, three_way: bool = False) -> tuple[int, str]:
         return len(names), f"OK (3-way merge: {', '.join(result.merged)})"
     return len(names), "OK"
 
+
+def patch_message(path: Path) -> str:
+    """The commit message `git am --keep-non-patch` makes of a patch file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        msg, patch = Path(tmp) / "msg", Path(tmp) / "patch"
+        with open(path, encoding="utf-8", errors="replace") as f:
+            info = subprocess.run(["git", "mailinfo", "-b", str(msg), str(patch)], stdin=f,
+                                  capture_output=True, text=True, errors="replace")
+        if info.returncode != 0:
+            raise SeriesError(f"git mailinfo cannot read {path}:\n{info.stderr.strip()}")
+        subject = next((ln[len("Subject: "):] for ln in info.stdout.splitlines()
+                        if ln.startswith("Subject: ")), "")
+        return f"{subject}\n\n{msg.read_text(errors='replace')}"
+
+
+def message_findings(release) -> list[str]:
+    """`<patch>: <problem>` for every patch message of the release's series."""
+    try:
+        _, names = read_series(release)
+    except SeriesError:
+        return []  # reported by check_release
+    return [f"{release.tag}/{name}: {problem}" for name in names
+            for problem in message_problems(patch_message(release.series_dir / name))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--3way", dest="three_way", action="store_true",
@@ -62,7 +95,17 @@ def main() -> int:
     print(fmt.format(*("-" * w for w in widths)))
     for r in rows:
         print(fmt.format(*r))
-    return 0 if all(r[2].startswith("OK") for r in rows) else 1
+    findings = [f for v in sorted(releases, key=lambda v: tuple(int(x) for x in v.split(".")))
+                for f in message_findings(releases[v])]
+    if findings:
+        print(f"\npatch messages: {len(findings)} to fix (subjects: at most 72 characters, "
+              "`[Area] Title`; project-only notes go to the notes at the top of "
+              "patches/vX/series, see docs/CONTRIBUTING.md):")
+        for f in findings:
+            print(f"  {f}")
+    else:
+        print("\npatch messages: OK")
+    return 0 if all(r[2].startswith("OK") for r in rows) and not findings else 1
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """Export the series of a release as upstream-ready patches, one per topic.
 
-  python3 scripts/export.py --version 0.32.0 [--out DIR]
+  python3 scripts/export.py --version 0.32.0 [--out DIR] [--draft]
 
 Writes one `git format-patch` file per patch of the series into build/export/vllm-X/ (or
 --out). The overlay is not sent as a commit of its own: each of its files goes into the first
-patch, in series order, that uses it (see `place_overlay` and docs/CONTRIBUTING.md, "Export a
-patch as an upstream PR"), so every patch brings the new files it needs and nothing else.
-Every exported commit is authored by you and carries your `Signed-off-by:`, from the
-`user.name` / `user.email` git config of this checkout. Refuses if the build tree is not
-exactly the current series. Before it reports success it checks that the files are what a
-reviewer gets: `git am` of them, in order, onto the pristine release gives, patch by patch,
-the commits it exported and, at the end, exactly the patched tree (less the overlay files the
-release does not use, which it names).
+patch, in series order, whose code uses it (see `place_overlay` and docs/CONTRIBUTING.md,
+"Export a patch as an upstream PR"), so every patch brings the new files it needs and nothing
+else. Every exported commit is authored by you and carries your `Signed-off-by:` as its only
+sign-off, from the `user.name` / `user.email` git config of this checkout; project-only notes
+(`Drop when:`, "On vX.Y.Z ...", "Checked on vX.Y.Z: ...") are stripped from the messages and
+named. A subject longer than 72 characters or without a vLLM `[Area]` prefix stops the export
+(--draft: named, not refused). Refuses if the build tree is not exactly the current series.
+Before it reports success it checks that the files are what a reviewer gets: `git am` of them,
+in order, onto the pristine release gives, patch by patch, the commits it exported and, at the
+end, exactly the patched tree (less the overlay files the release does not use, which it
+names).
 """
 
 from __future__ import annotations
@@ -71,8 +74,14 @@ def user_ident(checkout: Path = ROOT) -> tuple[str, str]:
 # Which patch each overlay file goes into
 
 TEST_NAME = re.compile(r"^(test_.*|.*_test)\.py$")
+# A string in code that is, as a whole, a module path (`vllm.v1.kv_vmm.pages`), a qualified name
+# in it (`vllm.v1.kv_vmm.pages.KVPagePolicy`) or an entry point (`vllm.v1.kv_vmm.ledger_cli:main`).
+MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_][\w.]*)?$")
+# Non-Python files other than docs: dotted module paths and file paths in their text.
 DOTTED = re.compile(r"\b(?:vllm|tests)(?:\.[A-Za-z_]\w*)+")
 PATHLIKE = re.compile(r"\b(?:vllm|tests)(?:/[\w.-]+)+")
+# Prose: a module it names is mentioned, not used.
+DOC_SUFFIXES = (".md", ".rst", ".txt")
 
 
 def is_test_side(rel: str) -> bool:
@@ -81,6 +90,10 @@ def is_test_side(rel: str) -> bool:
 
 def is_test_file(rel: str) -> bool:
     return is_test_side(rel) and bool(TEST_NAME.match(PurePosixPath(rel).name))
+
+
+def is_doc(rel: str) -> bool:
+    return rel.endswith(DOC_SUFFIXES) or PurePosixPath(rel).parts[0] == "docs"
 
 
 def is_compat(rel: str) -> bool:
@@ -99,27 +112,116 @@ def module_of(rel: str) -> str | None:
     return ".".join(parts)
 
 
+def python_uses(rel: str, text: str) -> tuple[set[str], set[str]]:
+    """(dotted names, file paths) that the code of Python file `rel` uses, read with `ast`:
+
+    - every import statement, wherever it is: module level, inside a function (lazy), under
+      `if TYPE_CHECKING:` (a type checker resolves those, so the module must exist for the
+      patch to pass the release's mypy), absolute or relative;
+    - every string constant of the code that is, as a whole, a module path, a qualified name
+      or an entry point (`importlib.import_module("vllm.x")`, `resolve_obj_by_qualname(...)`,
+      a registry entry, `mock.patch("vllm.x.f")`, `[python, "-m", "vllm.x"]`), and
+      `import_module(".x", package="vllm.y")`; a string that is exactly a file path is kept
+      as a path.
+
+    Comments are not code, and docstrings and other bare string statements are not either:
+    a module they name is not used. Nor are the literal parts of f-strings (messages). A file
+    that does not parse here is read as `text_uses` reads other files, with a warning."""
+    try:
+        tree = ast.parse(text, filename=rel)
+    except SyntaxError as e:
+        # Not code this interpreter can read (a patch that breaks it, a later Python's
+        # syntax): the names in its text are the best guess. `make check-bisect` fails it.
+        print(f"warning: {rel} is not valid Python here ({e.msg}, line {e.lineno}): placed "
+              "by the module names in its text", file=sys.stderr)
+        return text_uses(text)
+    package = PurePosixPath(rel).parent.parts
+    names: set[str] = set()
+    paths: set[str] = set()
+    prose: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            prose.add(id(node.value))  # a docstring or a bare string statement
+        elif isinstance(node, ast.JoinedStr):
+            prose.update(id(v) for v in node.values)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            names.add(mod)
+            names.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and _relative_import_module(node):
+            names.add(_relative_import_module(node))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in prose):
+            value = node.value.strip()
+            if MODULE_PATH.match(value):
+                names.add(value.replace(":", "."))
+            elif "/" in value and PATHLIKE.fullmatch(value):
+                paths.add(value)
+    return names, paths
+
+
+def _relative_import_module(call: ast.Call) -> str:
+    """The module of `import_module(".x", package="a.b")` (or `"a.b"` as second argument)."""
+    func = call.func
+    fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if fname != "import_module" or not call.args:
+        return ""
+    first = call.args[0]
+    pkg = call.args[1] if len(call.args) > 1 else next(
+        (k.value for k in call.keywords if k.arg == "package"), None)
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)
+            and first.value.startswith(".") and isinstance(pkg, ast.Constant)
+            and isinstance(pkg.value, str)):
+        return ""
+    name = first.value
+    level = len(name) - len(name.lstrip("."))
+    parts = pkg.value.split(".")
+    base = parts[: len(parts) - (level - 1)] if level > 1 else parts
+    return ".".join([*base, *([name.lstrip(".")] if name.lstrip(".") else [])])
+
+
+def text_uses(text: str) -> tuple[set[str], set[str]]:
+    """(dotted names, file paths) a non-Python, non-doc file (a config, a CI step, a shell
+    script) names: such files name a module to load or run it. Whole-line `#` comments are
+    left out."""
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    return set(DOTTED.findall(code)), set(PATHLIKE.findall(code))
+
+
+def is_program(rel: str, text: str) -> bool:
+    """A module run as a program: it has an `if __name__ == "__main__":` block."""
+    if not rel.endswith(".py"):
+        return False
+    try:
+        body = ast.parse(text, filename=rel).body
+    except SyntaxError:
+        return False
+    for node in body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+                and test.left.id == "__name__" and len(test.comparators) == 1
+                and isinstance(test.comparators[0], ast.Constant)
+                and test.comparators[0].value == "__main__"):
+            return True
+    return False
+
+
 def references(rel: str, text: str, modules: dict[str, str], paths: set[str]) -> set[str]:
-    """Overlay files that file `rel` (contents `text`) refers to: imports (absolute or
-    relative, lazy ones too), dotted module paths and file paths anywhere in the text."""
-    names: set[str] = set(DOTTED.findall(text))
-    if rel.endswith(".py"):
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            tree = None
-        package = PurePosixPath(rel).parent.parts
-        for node in ast.walk(tree) if tree else ():
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package[: len(package) - (node.level - 1)]
-                    mod = ".".join([*base, *([node.module] if node.module else [])])
-                else:
-                    mod = node.module or ""
-                names.add(mod)
-                names.update(f"{mod}.{a.name}" for a in node.names)
+    """Overlay files that the code of file `rel` (contents `text`) uses (see `python_uses`,
+    `text_uses`); docs use none."""
+    if rel.endswith((".py", ".pyi")):
+        names, named_paths = python_uses(rel, text)
+    elif is_doc(rel):
+        return set()
+    else:
+        names, named_paths = text_uses(text)
     found = set()
     for name in names:
         parts = name.split(".")
@@ -128,7 +230,7 @@ def references(rel: str, text: str, modules: dict[str, str], paths: set[str]) ->
             if hit:
                 found.add(hit)
                 break
-    found.update(m for m in PATHLIKE.findall(text) if m in paths)
+    found.update(p for p in named_paths if p in paths)
     found.discard(rel)
     return found
 
@@ -147,12 +249,14 @@ class Placement:
 def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placement:
     """The rule (docs/CONTRIBUTING.md, "Export a patch as an upstream PR"):
 
-    - a file outside tests/ goes into the first patch that uses it: refers to it (import,
-      module path, file path) or uses an overlay file that does (transitively); a module
-      needs its package's __init__.py, so that goes with it;
+    - a file outside tests/ goes into the first patch that uses it: code of a file the patch
+      changes imports it or names its module as a string (`references`), or uses an overlay
+      file that does (transitively); a module needs its package's __init__.py, so that goes
+      with it; a program (`if __name__ == "__main__":`) that nothing imports goes where the
+      last overlay module it imports arrives;
     - a test file (tests/**/test_*.py) goes with the module it tests: into the patch where the
       last overlay file it needs (its imports, its conftest.py/__init__.py, through support
-      modules such as utils.py) arrives, or earlier where a patch names it;
+      modules such as utils.py) arrives, or earlier where a patch's code names it;
     - other files under tests/ (conftest.py, utils.py, __init__.py) go with the first test
       that needs them;
     - unused: a compat module (compat.py, _compat.py, compat/) is dropped (the release needs
@@ -188,6 +292,13 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
                 if not is_test_side(dep) and at.get(dep, len(patch_refs)) > i:
                     at[dep] = i
                     changed = True
+    # A program (`python -m vllm.x`) that no patch imports: where the last overlay module it
+    # imports arrives (it drives that module, and cannot come before it).
+    for rel in sorted(files):
+        if not is_test_side(rel) and rel not in at and is_program(rel, files[rel]):
+            needs = {d for d in deps[rel] if not is_test_side(d)}
+            if needs and needs <= set(at):
+                at[rel] = max(at[d] for d in needs)
     unused = sorted(rel for rel in files if not is_test_side(rel) and rel not in at)
     by_dir: dict[str, list[str]] = {}
     for rel in files:
@@ -247,8 +358,9 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         raise SeriesError(
             "these overlay files are used by no patch of the series, so the export has no "
             "patch to send them with:\n  " + "\n  ".join(sorted(orphans)) + "\n(a patch uses a "
-            "file when it imports it or names its module or path, directly or through another "
-            "overlay file; a test goes with the modules it imports)",
+            "file when its code imports it or names its module in a string, directly or "
+            "through another overlay file; a docstring or comment that names it is no use; a "
+            "test goes with the modules it imports)",
             "Use them from the patch they belong to, or delete them from vllm_overlay/ "
             "(a shim some releases need is a compat module: name it compat.py).",
         )
@@ -258,7 +370,8 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
 
 def patch_references(tree: Path, commit: str, modules: dict[str, str],
                      paths: set[str]) -> set[str]:
-    """Overlay files the files a topic commit changes refer to, as they are after it."""
+    """Overlay files that the code of the files a topic commit changes uses, as they are
+    after it."""
     changed = git_out(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
                       f"{commit}^", commit)
     found: set[str] = set()
@@ -273,13 +386,82 @@ def patch_references(tree: Path, commit: str, modules: dict[str, str],
 # The exported commits
 
 
-def signed_message(message: str, name: str, email: str) -> str:
-    """The commit message with the exporter's Signed-off-by as the last trailer: the series'
-    sign-off with the same email is replaced, any other kept; every one must be well-formed."""
+# Lines of a patch message that speak of this project, not of the change: a reviewer upstream
+# has no use for them. Each starts a note that runs to the end of its paragraph (or to a
+# trailer line such as `Signed-off-by:`). They belong in the notes at the top of
+# patches/vX/series; the export strips them and says so, `make check-series` names the
+# patches that still carry them.
+PROJECT_NOTES = [
+    (re.compile(r"^Drop when:"), "`Drop when:` (when the series can drop the patch)"),
+    (re.compile(r"^On (?:vLLM )?v?\d+\.\d+(?:\.\d+)?\b"),
+     "`On vX.Y.Z ...` (how the patch differs on one release)"),
+    (re.compile(r"^Checked on (?:vLLM )?v?\d+\.\d+(?:\.\d+)?\b"),
+     "`Checked on vX.Y.Z: file:line` (where the defect was read in one release)"),
+]
+TRAILER = re.compile(r"^[A-Za-z][\w-]*: \S")
+SIGNOFF_ANY = re.compile(r"^Signed-off-by:", re.I)
+SUBJECT_MAX = 72
+# vLLM's commit subjects start with one or more tags naming the area: [Core], [KV Connector],
+# [Bugfix][PP], [Frontend], [Metrics], [Docs], [CI/Build], [Misc], [torch.compile], ...
+AREA_PREFIX = re.compile(r"^(?:\[[^\[\]\s][^\[\]]*\])+ \S")
+
+
+def is_project_note(line: str) -> bool:
+    return any(rx.match(line) for rx, _ in PROJECT_NOTES)
+
+
+def strip_project_notes(message: str) -> tuple[str, list[str]]:
+    """(message without project-only notes, the notes it had, one string each). The subject
+    line is never a note."""
     lines = message.rstrip("\n").split("\n")
-    mine = f"Signed-off-by: {name} <{email}>"
-    kept = [ln for ln in lines if not (ln.startswith("Signed-off-by:")
-                                        and ln.rstrip().endswith(f"<{email}>"))]
+    out, notes = lines[:1], []
+    note: list[str] | None = None
+    for line in lines[1:]:
+        if is_project_note(line):
+            note = [line]
+            notes.append(note)
+            continue
+        if note is not None:
+            if line.strip() and not TRAILER.match(line):
+                note.append(line)
+                continue
+            note = None
+        out.append(line)
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(out)).rstrip("\n")
+    return text + "\n", ["\n".join(n) for n in notes]
+
+
+def subject_problems(subject: str) -> list[str]:
+    """What makes `subject` unfit for an upstream commit (empty when it is fine)."""
+    problems = []
+    if len(subject) > SUBJECT_MAX:
+        problems.append(f"{len(subject)} characters, more than {SUBJECT_MAX}")
+    if not AREA_PREFIX.match(subject):
+        problems.append("no vLLM area prefix such as `[Core] `, `[KV Connector] `, "
+                        "`[Bugfix] `, `[Frontend] `, `[Metrics] `, `[Docs] `, `[CI] `, "
+                        "`[Misc] `")
+    return problems
+
+
+def message_problems(message: str) -> list[str]:
+    """The subject's problems and the project-only notes of a patch message, one line each,
+    for reports (`make check-series`)."""
+    subject = message.split("\n", 1)[0]
+    found = [f"subject {subject!r}: {p}" for p in subject_problems(subject)]
+    for note in strip_project_notes(message)[1]:
+        first = note.split("\n", 1)[0]
+        found.append(f"project-only note: {first[:60]!r}"
+                     + (" ..." if "\n" in note or len(first) > 60 else ""))
+    return found
+
+
+def export_message(message: str, name: str, email: str) -> tuple[str, list[str]]:
+    """(the commit message as exported, the project-only notes stripped from it).
+
+    The exporter's Signed-off-by is the last trailer and the only sign-off: every other
+    `Signed-off-by:` line of the series is dropped (other trailers stay)."""
+    text, notes = strip_project_notes(message)
+    kept = [ln for ln in text.rstrip("\n").split("\n") if not SIGNOFF_ANY.match(ln)]
     while kept and not kept[-1].strip():
         kept.pop()
     last_para = []
@@ -288,17 +470,20 @@ def signed_message(message: str, name: str, email: str) -> str:
             break
         last_para.append(ln)
     is_trailers = bool(last_para) and len(kept) > len(last_para) and all(
-        re.match(r"^[A-Za-z][\w-]*: \S", ln) for ln in last_para)
+        TRAILER.match(ln) for ln in last_para)
+    mine = f"Signed-off-by: {name} <{email}>"
     out = [*kept, mine] if is_trailers else [*kept, "", mine]
-    for ln in out:
-        if ln.startswith("Signed-off-by") and not SIGNOFF_RE.match(ln):
-            raise SeriesError(f"a commit message has a malformed sign-off line: {ln!r}",
-                              "Fix it in the build tree (`git rebase -i`), `make refresh`, "
-                              "then export again.")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n", notes
 
 
-def export(release, out: Path) -> list[Path]:
+def export(release, out: Path, draft: bool = False,
+           ident: tuple[str, str] | None = None, verify: bool = True) -> list[Path]:
+    """Write the exported patches of `release` into `out`; return them.
+
+    `draft`: subjects that break the rule are reported, not refused (a stack to look at or to
+    bisect, not to send). `ident`: (name, email) instead of this checkout's git identity.
+    `verify=False` leaves out the `git am` round trip (for a caller that applies them itself,
+    scripts/check_bisect.py)."""
     tree = require_applied_tree(release, "export")
     state = read_state(tree)
     commits = commits_after(tree, release.tag)
@@ -314,41 +499,65 @@ def export(release, out: Path) -> list[Path]:
             f"`make apply VLLM_VERSION={release.version}` to bring the tree up to date, then "
             "export again.",
         )
-    name, email = user_ident()
+    name, email = ident or user_ident()
     overlay_commit, topics = commits[0], commits[1:]
     if not topics:
         raise SeriesError(f"the series of {release.tag} has no patch to export.")
+    names = [git_out(tree, "log", "-1", "--format=%s", c) for c in topics]
+    bad = [(n, p) for n in names if (p := subject_problems(n))]
+    if bad:
+        listing = "\n".join(f"  {n!r}: {'; '.join(p)}" for n, p in bad)
+        if not draft:
+            raise SeriesError(
+                f"{len(bad)} of the {len(names)} patch subjects of {release.tag} are not fit "
+                f"for an upstream commit (at most {SUBJECT_MAX} characters, starting with a "
+                f"vLLM area prefix such as `[Core]`):\n{listing}",
+                "Reword them in the build tree (`git rebase -i` with `reword`), "
+                f"`make refresh VLLM_VERSION={release.version}`, then export again "
+                "(`python3 scripts/export.py --draft` writes the patches anyway, to look at).",
+            )
+        print(f"warning: subjects not fit for an upstream commit (--draft):\n{listing}")
     files = {str(rel): git(tree, "show", f"{overlay_commit}:{rel}").stdout
              for rel in overlay_files()}
     modules = {m: rel for rel in files if (m := module_of(rel))}
     refs = [patch_references(tree, c, modules, set(files)) for c in topics]
-    names = [git_out(tree, "log", "-1", "--format=%s", c) for c in topics]
     placed = place_overlay(files, refs)
-    exported = build_commits(tree, release.tag, topics, placed, name, email)
+    exported, stripped = build_commits(tree, release.tag, topics, placed, name, email)
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     args = [a for a in format_patch_args() if a != "--zero-commit"]
     git(tree, *args, "-o", str(out), f"{release.tag}..{exported[-1]}", dated=False)
     patches = sorted(out.glob("*.patch"))
-    check_round_trip(tree, release, patches, exported=exported, dropped=sorted(placed.dropped))
+    if verify:
+        check_round_trip(tree, release, patches, exported=exported,
+                         dropped=sorted(placed.dropped))
     for i, name_ in enumerate(names):
         added = placed.files_of(i)
         if added:
             print(f"{name_}: with {len(added)} overlay files: {', '.join(added)}")
     for rel, why in sorted(placed.dropped.items()):
         print(f"not exported: {rel} ({why})")
+    for patch, notes in zip(patches, stripped):
+        for note in notes:
+            lines = note.split("\n")
+            more = f" (+{len(lines) - 1} lines)" if len(lines) > 1 else ""
+            print(f"warning: {patch.name}: project-only note stripped: {lines[0]!r}{more}")
+    if any(stripped):
+        print(f"(project-only notes belong in the notes of patches/{release.tag}/series; "
+              "`make check-series` lists the patches that carry them)")
     return patches
 
 
 def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, name: str,
-                  email: str) -> list[str]:
+                  email: str) -> tuple[list[str], list[list[str]]]:
     """One commit per topic on the pristine tag: the topic's tree less the overlay files of
-    later topics (and the dropped ones), your identity, the message signed off by you."""
+    later topics (and the dropped ones), your identity, the message as `export_message` makes
+    it. Returns the commits and, per commit, the project-only notes stripped."""
     ident = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
              "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
     parent = git_out(tree, "rev-parse", f"{base}^{{commit}}")
-    out = []
+    out, stripped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         env = {**ident, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         for i, commit in enumerate(topics):
@@ -358,12 +567,14 @@ def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, n
                 git(tree, "update-index", "--force-remove", "--", *sorted(later), env=env)
             new_tree = git_out_env(tree, env, "write-tree")
             msg = Path(tmp) / "msg"
-            msg.write_text(signed_message(git_out(tree, "log", "-1", "--format=%B", commit),
-                                          name, email))
+            text, notes = export_message(git_out(tree, "log", "-1", "--format=%B", commit),
+                                         name, email)
+            msg.write_text(text)
+            stripped.append(notes)
             parent = git_out_env(tree, env, "commit-tree", new_tree, "-p", parent, "-F",
                                  str(msg), dated=False)
             out.append(parent)
-    return out
+    return out, stripped
 
 
 def git_out_env(tree: Path, env: dict, *args: str, dated: bool = True) -> str:
@@ -420,10 +631,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--version", default=os.environ.get("VLLM_VERSION") or None)
     p.add_argument("--out", type=Path)
+    p.add_argument("--draft", action="store_true",
+                   help="write the patches even when subjects break the rule (named): a stack "
+                        "to look at or bisect, not to send")
     args = p.parse_args()
     release = get_release(args.version)
     out = args.out or build_dir() / "export" / f"vllm-{release.version}"
-    files = export(release, out)
+    files = export(release, out, draft=args.draft)
     print(f"{len(files)} upstream-ready patches in {out}:")
     for f in files:
         print(f"  {f.name}")

@@ -133,6 +133,28 @@ def lint(version: str, results: list) -> None:
     results.append((f"{version} lint (added vs pristine)", rc, counts, seconds))
 
 
+def bisect(version: str, results: list) -> None:
+    """The exported stack patch by patch onto the pristine release: compile and ruff
+    (scripts/check_bisect.py --cheap). Counts: patches OK / failing (or never applied)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        summary = Path(f.name)
+    cmd = [sys.executable, str(ROOT / "scripts" / "check_bisect.py"), "--version", version,
+           "--cheap", "--summary-json", str(summary)]
+    print(f"\n=== {version} bisect: {' '.join(cmd)}", flush=True)
+    rc, seconds = timed_call(cmd)
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    try:
+        for patch in json.loads(summary.read_text()):
+            counts["passed" if patch["ok"] else "failed"] += 1
+    except (json.JSONDecodeError, FileNotFoundError):
+        pass
+    finally:
+        summary.unlink(missing_ok=True)
+    if rc != 0 and counts["failed"] == 0:
+        counts["failed"] = 1  # the script itself failed (export, ruff install)
+    results.append((f"{version} bisect (compile, ruff)", rc, counts, seconds))
+
+
 def kernels_for(release, tiers: list[str]) -> str:
     return os.environ.get("VLLM_KERNELS") or (
         detect_kernels() if "gpu" in tiers else ("cpu" if release.cpu_kernels else "none"))
@@ -228,6 +250,8 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False,
             upstream(v, results)
         elif tier == "lint":
             lint(v, results)
+        elif tier == "bisect":
+            bisect(v, results)
         else:
             raise SeriesError(f"unknown test tier {tier!r} in ci/matrix.toml.")
 

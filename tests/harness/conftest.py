@@ -78,7 +78,7 @@ class Project:
     def commit_in_tree(self, version: str, rel: str, text: str, subject: str) -> None:
         (self.tree(version) / rel).write_text(text)
         self.git(version, "add", rel)
-        self.git(version, "commit", "-q", "-s", "-m", f"{subject}\n\nBody.\n\nDrop when: never.")
+        self.git(version, "commit", "-q", "-s", "-m", f"{subject}\n\nBody.")
 
 
 def write_matrix(root: Path, releases: dict[str, str], url: dict[str, str] | None = None) -> None:

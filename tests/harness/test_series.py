@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -166,6 +166,12 @@ def test_refresh_after_resolving_keeps_pending_patches(project: Project):
     assert "applied Core-Nine.patch" in project.run("apply.py", "--version", V2).stdout
 
 
+def _table(stdout: str) -> dict[str, str]:
+    """check-series' rows by release (the table ends at the first blank line)."""
+    rows = stdout.split("\n\n", 1)[0].splitlines()[2:]
+    return {ln.split()[0]: ln for ln in rows}
+
+
 def test_check_series_prints_table(project: Project):
     add_patch(project, V1, "vllm/core.py", "return x + 7\n", "return x + 70\n", "[Core] Seven")
     sha = make_sdist(project.root / "cache" / f"vllm-{V2}.tar.gz", V2, {"vllm/core.py": CORE_V2})
@@ -175,7 +181,7 @@ def test_check_series_prints_table(project: Project):
     head = project.git(V1, "rev-parse", "HEAD")
     proc = project.run("check_series.py", check=False)
     assert proc.returncode == 1
-    rows = {ln.split()[0]: ln for ln in proc.stdout.splitlines()[2:]}
+    rows = _table(proc.stdout)
     assert rows[V1].split()[1:] == ["1", "OK"]
     assert "FAIL at Core-Seven.patch (vllm/core.py:" in rows[V2]
     # The build trees are left as they were.
@@ -203,14 +209,14 @@ def test_check_series_refuses_a_patch_that_needs_a_3way_merge(project: Project):
 
     strict = project.run("check_series.py", check=False)
     assert strict.returncode == 1, strict.stdout + strict.stderr
-    rows = {ln.split()[0]: ln for ln in strict.stdout.splitlines()[2:]}
+    rows = _table(strict.stdout)
     assert "FAIL at Core-Sixty.patch (vllm/core.py" in rows[V1]
     assert "--3way" in rows[V1]
     assert rows[V2].split()[1:] == ["0", "OK"]
 
     merged = project.run("check_series.py", "--3way", check=False)
     assert merged.returncode == 0, merged.stdout + merged.stderr
-    rows = {ln.split()[0]: ln for ln in merged.stdout.splitlines()[2:]}
+    rows = _table(merged.stdout)
     assert rows[V1].split(None, 2)[1:] == ["2", "OK (3-way merge: Core-Sixty.patch)"]
     # The checks left the build tree alone; make apply merges the patch and says so.
     assert project.git(V1, "rev-parse", "HEAD") == head
@@ -328,22 +334,215 @@ def test_export_folds_each_overlay_file_into_the_first_patch_that_uses_it(projec
     assert "vllm/newpkg/base.py" in ls and "vllm/newpkg/mod.py" not in ls
 
 
+def _scripts_module(name: str):
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+USES = '''"""Module docstring naming vllm.newpkg.doc_only and vllm/newpkg/doc_only.py."""
+# A comment naming vllm.newpkg.comment_only.
+import importlib
+from typing import TYPE_CHECKING
+
+from . import sibling
+from .sub import deep
+
+if TYPE_CHECKING:
+    from vllm.newpkg.typing_only import T
+
+
+class K:
+    """Class docstring: vllm.newpkg.doc_only."""
+
+    attr = 1
+    """Attribute docstring: vllm.newpkg.doc_only."""
+
+
+def f(x):
+    """Function docstring: vllm.newpkg.doc_only."""
+    from vllm.newpkg.lazy import g
+
+    importlib.import_module("vllm.newpkg.by_string")
+    importlib.import_module(".relative_string", package="vllm.newpkg")
+    register("Name", "vllm.newpkg.registered", "Cls")
+    resolve_obj_by_qualname("vllm.newpkg.qualname.Cls")
+    run([sys.executable, "-m", "vllm.newpkg.program"])
+    patch("vllm.newpkg.mocked:attr")
+    print(f"a message naming vllm.newpkg.in_message {x}")
+    print("a sentence about vllm.newpkg.in_sentence")
+    return g(x)
+'''
+
+
+def test_export_reads_code_uses_with_ast_not_text():
+    export = _scripts_module("export")
+    mods = ["doc_only", "comment_only", "sibling", "sub.deep", "typing_only", "lazy",
+            "by_string", "relative_string", "registered", "qualname", "program", "mocked",
+            "in_message", "in_sentence"]
+    files = {f"vllm/newpkg/{m.replace('.', '/')}.py": "" for m in mods}
+    files["vllm/newpkg/__init__.py"] = ""
+    files["vllm/newpkg/sub/__init__.py"] = ""
+    modules = {m: rel for rel in files if (m := export.module_of(rel))}
+    found = export.references("vllm/newpkg/user.py", USES, modules, set(files))
+    used = sorted(PurePosixPath(f).stem if PurePosixPath(f).stem != "__init__"
+                  else PurePosixPath(f).parent.name for f in found)
+    # Imports anywhere (relative, lazy, TYPE_CHECKING) and strings that are a module path,
+    # a qualified name or an entry point count; docstrings, comments, messages do not.
+    assert used == sorted(["newpkg", "sibling", "sub", "deep", "typing_only", "lazy",
+                           "by_string", "relative_string", "registered", "qualname",
+                           "program", "mocked"]), used
+    # Prose files name modules without using them; other files (a CI step) use what they
+    # name outside comments.
+    assert export.references("docs/newpkg.md", "See `vllm.newpkg.lazy`.", modules,
+                             set(files)) == set()
+    ci = "# vllm.newpkg.doc_only\nsteps:\n  - python -m vllm.newpkg.program\n"
+    assert export.references(".buildkite/x.yaml", ci, modules, set(files)) == {
+        "vllm/newpkg/program.py"}
+
+
+PLACED = {
+    "vllm/newpkg/__init__.py": '"""The package. Same-host reads: :mod:`vllm.newpkg.extra`."""\n',
+    "vllm/newpkg/lazy.py": "def g():\n    return 1\n",
+    "vllm/newpkg/extra.py": "E = 1\n",
+    "vllm/newpkg/cli.py": '"""python -m vllm.newpkg.cli"""\nfrom vllm.newpkg.extra import E\n\n'
+                          'if __name__ == "__main__":\n    print(E)\n',
+    "tests/newpkg/__init__.py": "",
+    "tests/newpkg/test_lazy.py": "from vllm.newpkg.lazy import g\n",
+    "tests/newpkg/test_extra.py": "def test_e():\n    from vllm.newpkg.extra import E\n",
+    "tests/newpkg/test_cli.py": "from vllm.newpkg.cli import E\n",
+}
+
+
+def test_export_places_a_file_where_code_uses_it_not_where_text_names_it(project: Project):
+    _overlay(project, PLACED)
+    # A: imports the package, whose docstring names `extra`; its own docstring and comment
+    # name `extra` too, and a doc it adds names it. None of that is a use.
+    project.run("apply.py", "--version", V1)
+    tree = project.tree(V1)
+    core = (tree / "vllm" / "core.py").read_text()
+    core = core.replace("def f3(x):\n", 'def f3(x):\n    """Unlike vllm.newpkg.extra."""\n'
+                        "    import vllm.newpkg  # noqa: F401  (not vllm.newpkg.extra)\n")
+    _commit(project, V1, {"vllm/core.py": core, "docs/newpkg.md": "Uses vllm.newpkg.extra.\n"},
+            "[Core] A imports the package\n\nBody.\n\nSigned-off-by: T <t@example.com>\n")
+    # B: a lazy import, inside a function.
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    from vllm.newpkg.lazy import g  # noqa: F401\n", "[Core] B lazy")
+    # C: a module path as a string in code.
+    add_patch(project, V1, "vllm/core.py", "def f9(x):\n",
+              'def f9(x):\n    __import__("importlib").import_module("vllm.newpkg.extra")\n',
+              "[Core] C by name")
+    proc, files = _export(project)
+    assert _files_in(files[0]) == ["docs/newpkg.md", "vllm/core.py", "vllm/newpkg/__init__.py"], \
+        proc.stdout
+    assert _files_in(files[1]) == ["tests/newpkg/__init__.py", "tests/newpkg/test_lazy.py",
+                                   "vllm/core.py", "vllm/newpkg/lazy.py"]
+    # The program no module imports goes where the module it drives arrives, with its test.
+    assert _files_in(files[2]) == ["tests/newpkg/test_cli.py", "tests/newpkg/test_extra.py",
+                                   "vllm/core.py", "vllm/newpkg/cli.py", "vllm/newpkg/extra.py"]
+
+
 def test_export_authors_and_signs_off_as_the_contributor(project: Project):
     add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] A")
-    # The series' own sign-off (the identity of commit_in_tree) is kept; the exporter's last.
+    # The series' own sign-off (the identity of commit_in_tree) is dropped: the exporter's is
+    # the only one.
     _, files = _export(project)
     text = files[0].read_text()
     head, _, _ = text.partition("\n---\n")
     assert "From: Queue Dev <queue@example.com>" in head
-    assert "kv-series@localhost" not in text and "Test Dev <dev@example.com>\n" not in head[:200]
+    assert "kv-series@localhost" not in text and "Test Dev" not in head
     trailers = head.rstrip().split("\n\n")[-1].splitlines()
-    assert trailers == ["Signed-off-by: Test Dev <dev@example.com>",
-                        "Signed-off-by: Queue Dev <queue@example.com>"], head
-    # Exporting with the series' own email: one sign-off, the exporter's name, not two.
+    assert trailers == ["Signed-off-by: Queue Dev <queue@example.com>"], head
+    # Exporting with the series' own email: one sign-off, the exporter's name.
     _, files = _export(project, name="Test Developer", email="dev@example.com")
     head = files[0].read_text().partition("\n---\n")[0]
     assert head.count("Signed-off-by:") == 1
     assert head.rstrip().endswith("Signed-off-by: Test Developer <dev@example.com>")
+
+
+NOTED = """\
+[Core] Make f3 bigger
+
+Why it is bigger.
+
+Addresses vLLM issue #1.
+Drop when: upstream makes it bigger
+itself (a second line of the note).
+
+On v1.0.0 the function is
+in core.py.
+
+Checked on v1.0.0: vllm/core.py:10 (f3).
+
+Co-authored-by: Helper Dev <helper@example.com>
+Signed-off-by: Seed Placeholder <seed@users.noreply.seed.example>
+Signed-off-by: Test Dev <dev@example.com>
+"""
+
+
+def _commit(project: Project, version: str, files: dict[str, str], message: str) -> None:
+    """One commit of the series with these files and this exact message, then refresh."""
+    project.run("apply.py", "--version", version)
+    for rel, text in files.items():
+        (project.tree(version) / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project.tree(version) / rel).write_text(text)
+        project.git(version, "add", rel)
+    project.git(version, "commit", "-q", "-m", message)
+    project.run("refresh.py", "--version", version)
+
+
+def test_export_strips_project_notes_and_other_sign_offs(project: Project):
+    project.run("apply.py", "--version", V1)
+    text = (project.tree(V1) / "vllm" / "core.py").read_text()
+    _commit(project, V1, {"vllm/core.py": text.replace("x + 3\n", "x + 30\n")}, NOTED)
+    proc, files = _export(project)
+    head = files[0].read_text().partition("\n---\n")[0]
+    body = head.split("\n\n", 1)[1]
+    assert body.strip().split("\n\n") == [
+        "Why it is bigger.", "Addresses vLLM issue #1.",
+        "Co-authored-by: Helper Dev <helper@example.com>\n"
+        "Signed-off-by: Queue Dev <queue@example.com>"], body
+    for gone in ("Drop when", "itself (a second", "On v1.0.0", "in core.py.", "Checked on",
+                 "Seed Placeholder", "Test Dev"):
+        assert gone not in head, gone
+    # The export says what it stripped and where such notes belong.
+    warned = [ln for ln in proc.stdout.splitlines() if "project-only note stripped" in ln]
+    assert len(warned) == 3 and "'Drop when: upstream makes it bigger' (+1 lines)" in warned[0]
+    assert "patches/v1.0.0/series" in proc.stdout
+    # The source patch keeps them until they are moved: check-series names it and fails.
+    check = project.run("check_series.py", check=False)
+    assert check.returncode == 1, check.stdout
+    listed = check.stdout.split("patch messages:", 1)[1]
+    assert "v1.0.0/Core-Make-f3-bigger.patch: project-only note: 'Drop when:" in listed
+    assert "'On v1.0.0 the function is'" in listed and "'Checked on v1.0.0:" in listed
+
+
+def test_export_refuses_subjects_upstream_would_not_take(project: Project):
+    long = "[Core] " + "a very long subject " * 4
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", long.strip())
+    add_patch(project, V1, "vllm/core.py", "return x + 5\n", "return x + 50\n",
+              "Make f5 bigger")
+    add_patch(project, V1, "vllm/core.py", "return x + 7\n", "return x + 70\n",
+              "[KV Connector][NIXL] Fine")
+    proc, files = _export(project, check=False)
+    assert proc.returncode == 1 and not files, proc.stdout
+    assert "2 of the 3 patch subjects" in proc.stderr
+    assert f"{long.strip()!r}: 86 characters, more than 72" in proc.stderr
+    assert "'Make f5 bigger': no vLLM area prefix" in proc.stderr
+    assert "Fine" not in proc.stderr and "--draft" in proc.stderr
+    # A draft writes them and names the subjects; check-series names them too.
+    out = project.root / "draft"
+    draft = project.run("export.py", "--version", V1, "--out", str(out), "--draft",
+                        env=_exporter(project))
+    assert len(list(out.glob("*.patch"))) == 3 and "'Make f5 bigger'" in draft.stdout
+    check = project.run("check_series.py", check=False)
+    assert check.returncode == 1
+    assert "v1.0.0/Make-f5-bigger.patch: subject 'Make f5 bigger': no vLLM area" in check.stdout
 
 
 def test_export_refuses_without_a_git_identity(project: Project):
@@ -394,7 +593,7 @@ def test_export_applies_with_git_am_onto_pristine_and_reproduces_the_tree(projec
     """What a reviewer does with the export: `git am` onto the released tree, nothing else."""
     _overlay(project, NEWPKG)
     add_patch(project, V1, "vllm/core.py", "return x + 3\n",
-              "return x + 30  # vllm/newpkg/mod.py\n", "[Core] A")
+              "return x + 30 if __import__(\"vllm.newpkg.mod\") else 0\n", "[Core] A")
     add_patch(project, V1, "vllm/core.py", "return x + 9\n", "return x * 9\n", "[Core] B")
     _, files = _export(project)
     tree = project.tree(V1)
