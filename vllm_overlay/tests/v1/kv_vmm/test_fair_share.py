@@ -9,6 +9,7 @@ cannot be run with real engines in a unit test)."""
 import random
 
 import pytest
+
 from tests.v1.kv_vmm.fair_share_sim import MiB, SimEngine, Simulation, direction_changes
 from vllm.v1.kv_vmm.fair_share import (
     EngineDemand,
