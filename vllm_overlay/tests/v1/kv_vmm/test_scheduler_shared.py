@@ -397,8 +397,8 @@ def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log, reports
         good[: len(good) // 2],
         good.replace(b'"mapped_bytes": ', b'"mapped_bytes": -'),
     ):
-        with open(ledger.path, "wb") as f:
-            f.write(garbage)
+        with open(ledger.path, "wb") as out:
+            out.write(garbage)
         for _ in range(5):  # steps over several seconds
             a.clock.now += 0.6
             # No growth from the ledger: only the mapped free blocks count.
@@ -425,8 +425,8 @@ def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log, reports
         # The file is sane again (repaired, or removed: the engines re-create
         # it): the pool records what it maps and has room again.
         if garbage == good[: len(good) // 2]:
-            with open(ledger.path, "wb") as f:
-                f.write(good)
+            with open(ledger.path, "wb") as out:
+                out.write(good)
         else:
             os.unlink(ledger.path)
         a.clock.now += 1
