@@ -5,7 +5,9 @@
 With ``--kv-cache-vmm-shared`` the pool records what it maps in each
 device's :class:`KVMemoryLedger` and reads there what it may map beyond
 its floor and the limit set from outside (the ledger CLI); see
-:mod:`vllm.v1.kv_vmm.scheduler`.
+:mod:`vllm.v1.kv_vmm.scheduler`. With the fair share
+(``--kv-cache-vmm-share-policy fair``) it also publishes its demand and
+steps a :class:`FairShareController` per device on what it read.
 """
 
 import time
@@ -14,6 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
+from vllm.v1.kv_vmm.fair_share import (
+    FairShareController,
+    ReclaimOptions,
+    ShareDecision,
+)
 from vllm.v1.kv_vmm.ledger import (
     KVMemoryLedger,
     LedgerError,
@@ -65,6 +72,14 @@ class DeviceShare:
         self.mapped_pages = initial_pages
         self.room_pages = 0
         self.limit_pages: int | None = None
+        # The fair share: weight, one controller per device (none: first
+        # come, first served), what was last published, the last decision.
+        self.weight = 1.0
+        self.controllers: list[FairShareController] = []
+        self.published: tuple[int, int, bool] | None = None
+        self.published_at = float("-inf")
+        self.decision: ShareDecision | None = None
+        self.parsed: dict[str, LedgerState] = {}
         self.ledgers: list[tuple[KVMemoryLedger, str, int]] = []
         for (key, page_bytes), floor in zip(self.devices.items(), floors):
             # A ledger that cannot be used refuses the start (LedgerError).
@@ -105,6 +120,8 @@ class DeviceShare:
             floor_bytes=floor_bytes,
             limit_bytes=limit,
             fixed=options.capacity_bytes is not None,
+            weight=self.weight,
+            page_bytes=page_bytes,
         )
 
     def _failed(self, ledger: KVMemoryLedger, error: LedgerError) -> None:
@@ -193,6 +210,8 @@ class DeviceShare:
                 continue
             read_any = True
             self.states[ledger.key] = state.to_json()
+            self.parsed[ledger.key] = state
+            self.weight = entry.weight
             pages = state.room(entry_id) // page_bytes
             room = pages if room is None else min(room, pages)
             pages = entry.floor_bytes // page_bytes
@@ -250,6 +269,80 @@ class DeviceShare:
 
     def close(self) -> None:
         self._finalizer()
+
+    # -- the fair share ------------------------------------------------------
+    def start_fair_share(self, weight: float, reclaim: ReclaimOptions) -> None:
+        """Share the devices fairly (weighted max-min) from now on."""
+        self.weight = weight
+        self._update_all(weight=weight)
+        self.controllers = [
+            FairShareController(entry_id, page_bytes, reclaim)
+            for _, entry_id, page_bytes in self.ledgers
+        ]
+
+    def _update_all(self, **fields: Any) -> None:
+        for ledger, entry_id, _ in self.ledgers:
+            try:
+                ledger.update(entry_id, **fields)
+            except LedgerError as e:
+                self._failed(ledger, e)
+
+    def decide(self, now: float, free_pages: int) -> ShareDecision | None:
+        """Step every device's controller on the ledgers as last read: the
+        smallest effective limit, the largest reclaim, preemption where any
+        device allows it; the share on the device of the largest page.
+        None without the fair share or a ledger read yet."""
+        decisions: list[tuple[int, ShareDecision]] = []
+        for (ledger, entry_id, page_bytes), controller in zip(
+            self.ledgers, self.controllers
+        ):
+            state = self.parsed.get(ledger.key)
+            if state is None or ledger.key in self.problems:
+                continue
+            controller.entry_id = entry_id  # joined again meanwhile
+            engines = [e.demand() for e in state.entries]
+            decision = controller.step(
+                now, state.capacity_bytes, engines, self.mapped_pages, free_pages
+            )
+            decisions.append((page_bytes, decision))
+        if not decisions:
+            self.decision = None
+            return None
+        self.decision = ShareDecision(
+            effective_limit_pages=min(d.effective_limit_pages for _, d in decisions),
+            reclaim_pages=max(d.reclaim_pages for _, d in decisions),
+            preempt_allowed=any(d.preempt_allowed for _, d in decisions),
+            share_bytes=max(decisions, key=lambda d: d[0])[1].share_bytes,
+        )
+        return self.decision
+
+    def publish(
+        self,
+        now: float,
+        used_pages: int,
+        waiting_pages: int,
+        waiting_since: float | None,
+    ) -> None:
+        """Write the engine's demand to its ledgers when it changed by a
+        page or its wait began or ended, at most every
+        :data:`LEDGER_READ_INTERVAL_S` (each write makes every other engine
+        read the file in full)."""
+        current = (used_pages, waiting_pages, waiting_since is not None)
+        if current == self.published:
+            return
+        if 0 <= now - self.published_at < LEDGER_READ_INTERVAL_S:
+            return
+        self.published, self.published_at = current, now
+        for ledger, entry_id, page_bytes in self.ledgers:
+            try:
+                ledger.update(
+                    entry_id,
+                    used_bytes=used_pages * page_bytes,
+                    waiting_bytes=waiting_pages * page_bytes,
+                    waiting_since=waiting_since,
+                )
+            except LedgerError as e:
+                self._failed(ledger, e)
 
 
 def leave_ledgers(ledgers: list[tuple[KVMemoryLedger, str, int]]) -> None:

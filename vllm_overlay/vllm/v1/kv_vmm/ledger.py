@@ -59,6 +59,7 @@ from vllm.v1.kv_vmm.ledger_format import (
     MAX_LEDGER_ENTRIES,
     MAX_LEDGER_FILE_BYTES,
     MAX_NAME_CHARS,
+    MAX_SHARE_WEIGHT,
     LedgerEntry,
     LedgerState,
     _check_bytes,
@@ -79,6 +80,7 @@ __all__ = [
     "MAX_LEDGER_ENTRIES",
     "MAX_LEDGER_FILE_BYTES",
     "MAX_NAME_CHARS",
+    "MAX_SHARE_WEIGHT",
     "STAMP_SETTLE_S",
     "check_entry_fields",
     "find_entry",
@@ -325,15 +327,25 @@ class KVMemoryLedger:
         floor_bytes: int = 0,
         limit_bytes: int | None = None,
         fixed: bool = False,
+        weight: float = 1.0,
+        page_bytes: int = 1,
     ) -> str:
         """Add this engine; return its entry id.
 
         ``capacity_bytes`` is used if the ledger has no capacity yet (the
         first engine, when no starting engine measured one), or with
         ``fixed`` (an explicit size) unless an explicit size is set already.
+        ``weight`` and ``page_bytes``: its fair share's weight and its page
+        size on the device.
         """
         check_entry_fields(
-            {"floor_bytes": floor_bytes, "limit_bytes": limit_bytes, "name": name}
+            {
+                "floor_bytes": floor_bytes,
+                "limit_bytes": limit_bytes,
+                "name": name,
+                "weight": weight,
+                "page_bytes": page_bytes,
+            }
         )
         _check_bytes("capacity_bytes", capacity_bytes, 0)
         _check_bytes("mapped_bytes", mapped_bytes, 0)
@@ -345,6 +357,8 @@ class KVMemoryLedger:
             mapped_bytes=mapped_bytes,
             floor_bytes=floor_bytes,
             limit_bytes=limit_bytes,
+            weight=weight,
+            page_bytes=page_bytes,
         )
         with self._locked(create=True) as state:
             assert state is not None
@@ -400,7 +414,9 @@ class KVMemoryLedger:
 
     def update(self, entry_id: str, **fields: Any) -> LedgerEntry | None:
         """Set fields of one entry (``floor_bytes``, ``limit_bytes``,
-        ``name``); returns the entry, None if there is no such entry."""
+        ``name``, ``weight``, and what the engine publishes for the fair
+        share: ``used_bytes``, ``waiting_bytes``, ``waiting_since``); returns
+        the entry, None if there is no such entry."""
         check_entry_fields(fields)
         with self._locked(create=False) as state:
             entry = state.entry(entry_id) if state is not None else None

@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm.v1.kv_vmm.fair_share import EngineDemand
+
 #: The ledger's format; another number is refused (an engine of another
 #: version of this code on the same device).
 LEDGER_FORMAT = 1
@@ -22,6 +24,8 @@ MAX_LEDGER_BYTES = 1 << 60
 MAX_LEDGER_FILE_BYTES = 1 << 20
 MAX_LEDGER_ENTRIES = 1024
 MAX_NAME_CHARS = 256
+#: Largest share weight (``--kv-cache-vmm-share-weight``) a ledger holds.
+MAX_SHARE_WEIGHT = 1e6
 
 
 @dataclass
@@ -39,6 +43,35 @@ class LedgerEntry:
     limit_bytes: int | None = None
     """None: no cap but the capacity."""
     updated: float = field(default_factory=time.time)
+    # What the fair share (vllm.v1.kv_vmm.fair_share) reads; an entry
+    # without these fields (an engine of an older version) reads as below.
+    used_bytes: int | None = None
+    """Pages with a block in use, in bytes; None: ``mapped_bytes``."""
+    waiting_bytes: int = 0
+    """What its waiting requests need beyond its free blocks, in bytes."""
+    waiting_since: float | None = None
+    """Since when its waiting requests have needed more than its free
+    blocks, on the host's monotonic clock; None: they do not."""
+    weight: float = 1.0
+    """``--kv-cache-vmm-share-weight`` (the ledger CLI may change it)."""
+    page_bytes: int = 1
+    """Bytes one of its pages takes on the device."""
+
+    def demand(self) -> EngineDemand:
+        """The entry as the fair share sees it."""
+        return EngineDemand(
+            id=self.id,
+            mapped_bytes=self.mapped_bytes,
+            floor_bytes=self.floor_bytes,
+            limit_bytes=self.limit_bytes,
+            used_bytes=self.mapped_bytes
+            if self.used_bytes is None
+            else self.used_bytes,
+            waiting_bytes=self.waiting_bytes,
+            waiting_since=self.waiting_since,
+            weight=self.weight,
+            page_bytes=self.page_bytes,
+        )
 
     @property
     def held_bytes(self) -> int:
@@ -113,9 +146,11 @@ def _check_bytes(where: str, value: Any, low: int) -> None:
         raise _Invalid(f"{where} is {value}, not in [{low}, {MAX_LEDGER_BYTES}]")
 
 
-def _check_keys(where: str, doc: Any, keys: set[str]) -> None:
+def _check_keys(
+    where: str, doc: Any, keys: set[str], optional: frozenset[str] = frozenset()
+) -> None:
     _check_type(where, doc, (dict,))
-    missing, unknown = keys - doc.keys(), doc.keys() - keys
+    missing, unknown = keys - optional - doc.keys(), doc.keys() - keys
     if missing:
         raise _Invalid(f"{where} has no {', '.join(sorted(missing))}")
     if unknown:
@@ -130,6 +165,10 @@ def _check_id(where: str, value: Any, length: int) -> None:
 
 _ENTRY_ID_LEN = 12
 _ENTRY_FIELDS = {f for f in LedgerEntry.__dataclass_fields__}
+#: Fields an entry of an older version has not.
+_SHARE_FIELDS = frozenset(
+    ("used_bytes", "waiting_bytes", "waiting_since", "weight", "page_bytes")
+)
 _STATE_FIELDS = {
     "format",
     "key",
@@ -142,7 +181,7 @@ _STATE_FIELDS = {
 
 def _parse_entry(i: int, doc: Any) -> LedgerEntry:
     where = f"entries[{i}]"
-    _check_keys(where, doc, _ENTRY_FIELDS)
+    _check_keys(where, doc, _ENTRY_FIELDS, _SHARE_FIELDS)
     _check_id(f"{where}.id", doc["id"], _ENTRY_ID_LEN)
     _check_type(f"{where}.pid", doc["pid"], (int,))
     if not 0 <= doc["pid"] < 1 << 32:
@@ -155,10 +194,35 @@ def _parse_entry(i: int, doc: Any) -> LedgerEntry:
     _check_bytes(f"{where}.floor_bytes", doc["floor_bytes"], 0)
     if doc["limit_bytes"] is not None:
         _check_bytes(f"{where}.limit_bytes", doc["limit_bytes"], 1)
-    _check_type(f"{where}.updated", doc["updated"], (int, float))
-    if not math.isfinite(doc["updated"]) or doc["updated"] < 0:
-        raise _Invalid(f"{where}.updated is {doc['updated']}, not a time")
+    _check_time(f"{where}.updated", doc["updated"])
+    _check_share_fields(where, doc)
     return LedgerEntry(**doc)
+
+
+def _check_time(where: str, value: Any) -> None:
+    _check_type(where, value, (int, float))
+    if not math.isfinite(value) or value < 0:
+        raise _Invalid(f"{where} is {value}, not a time")
+
+
+def _check_weight(where: str, value: Any) -> None:
+    _check_type(where, value, (int, float))
+    if not (math.isfinite(value) and 0 < value <= MAX_SHARE_WEIGHT):
+        raise _Invalid(f"{where} is {value}, not a number in (0, {MAX_SHARE_WEIGHT:g}]")
+
+
+def _check_share_fields(where: str, doc: dict[str, Any]) -> None:
+    """The fair share's fields of an entry, those it has."""
+    if doc.get("used_bytes") is not None:
+        _check_bytes(f"{where}.used_bytes", doc["used_bytes"], 0)
+    if "waiting_bytes" in doc:
+        _check_bytes(f"{where}.waiting_bytes", doc["waiting_bytes"], 0)
+    if doc.get("waiting_since") is not None:
+        _check_time(f"{where}.waiting_since", doc["waiting_since"])
+    if "weight" in doc:
+        _check_weight(f"{where}.weight", doc["weight"])
+    if "page_bytes" in doc:
+        _check_bytes(f"{where}.page_bytes", doc["page_bytes"], 1)
 
 
 def parse_ledger(raw: bytes, key: str) -> LedgerState:
@@ -198,9 +262,15 @@ def parse_ledger(raw: bytes, key: str) -> LedgerState:
 
 
 def check_entry_fields(fields: dict[str, Any]) -> None:
-    """Refuse values of ``floor_bytes``, ``limit_bytes`` or ``name`` that
-    the ledger would not read back (ValueError naming the field)."""
+    """Refuse values of ``floor_bytes``, ``limit_bytes``, ``name`` or the
+    fair share's fields that the ledger would not read back (ValueError
+    naming the field)."""
+    share = {k: v for k, v in fields.items() if k in _SHARE_FIELDS}
+    if share:
+        _check_share_fields("the entry", share)
     for name, value in fields.items():
+        if name in _SHARE_FIELDS:
+            continue
         if name == "floor_bytes":
             _check_bytes(name, value, 0)
         elif name == "limit_bytes":

@@ -78,6 +78,22 @@ class KVVmmOptions(Protocol):
     kv_cache_vmm_shared_group: str | None
 
 
+KVSharePolicy = Literal["fair", "first-come"]
+
+
+class KVShareOptions(Protocol):
+    """What the fair share of a device among engines reads of vLLM's
+    ``CacheConfig`` (``--kv-cache-vmm-share-*``, ``--kv-cache-vmm-reclaim-*``;
+    see :mod:`vllm.v1.kv_vmm.fair_share`). A protocol of its own: the
+    patch that adds these fields comes after the one that adds
+    :class:`KVVmmOptions`."""
+
+    kv_cache_vmm_share_policy: KVSharePolicy
+    kv_cache_vmm_share_weight: float
+    kv_cache_vmm_reclaim_bytes_per_s: int
+    kv_cache_vmm_reclaim_preempt_delay: float
+
+
 @dataclass
 class KVPagePolicy:
     """Page size and physical budget shared by the scheduler and all ranks."""

@@ -36,6 +36,8 @@ from vllm.v1.kv_vmm.page_policy import (
     KVPagePolicy,
     KVPageShrinkPolicy,
     KVPageStats,
+    KVShareOptions,
+    KVSharePolicy,
     KVVmmOptions,
 )
 
@@ -54,6 +56,8 @@ __all__ = [
     "KVPagePolicy",
     "KVPageShrinkPolicy",
     "KVPageStats",
+    "KVShareOptions",
+    "KVSharePolicy",
     "KVVmmOptions",
     "KV_PAGE_GRANULARITY",
     "KV_PAGE_MIN_CHUNK_BYTES",

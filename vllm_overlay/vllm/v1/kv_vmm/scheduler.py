@@ -55,6 +55,7 @@ from vllm.v1.kv_vmm.device_share import (
 from vllm.v1.kv_vmm.page_status import KVPageStatus
 from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
 from vllm.v1.kv_vmm.pool_limits import PageLimitsMixin
+from vllm.v1.kv_vmm.pool_share import FairShareMixin
 
 __all__ = [
     "LEDGER_FULL_READ_INTERVAL_S",
@@ -78,7 +79,7 @@ MAP_RETRY_MAX_S = 5.0
 PAGE_REPORT_WAIT_S = 1.0
 
 
-class PagedBlockPool(PageLimitsMixin, BlockPool):
+class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
     """:class:`BlockPool` whose blocks live on pages mapped on demand.
 
     Args:
@@ -131,6 +132,7 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
         self._retry_delay = 0.0
         self._denied_logged = False
         self._share: DeviceShare | None = None
+        self._init_fair_share()
         if policy.ledger is not None:
             self._share = DeviceShare(policy, len(initial))
             self._read_ledger(force=True)
@@ -175,7 +177,7 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
         if self._status is not None:
             self._poll()
         num_unmapped = self.num_pages - self._num_held
-        pages = min(max(self.policy.max_pages - self._num_held, 0), num_unmapped)
+        pages = min(max(self._page_limit - self._num_held, 0), num_unmapped)
         # admitted: blocks the caller was told were free (get_num_free_blocks);
         # the ledger may have changed since, the limit has not.
         if not admitted and self._retry_at > self.clock():
@@ -400,6 +402,8 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
             self.policy.max_pages = limit
             self._shrink_to_limit()
             logger.info("KV page limit set to %d pages from the device ledger", limit)
+        if self._fair:
+            self._step_share(now)
 
     def _free_pages(self) -> list[int]:
         """Mapped pages none of whose blocks is in use, highest id first."""
@@ -421,6 +425,8 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
             self._poll()
         if self._share is not None:
             self._read_ledger()
+        if self._share_reclaim > 0:
+            self._give_back_share()
         # Requests waiting for blocks keep the pages they wait for.
         shrink_due_in = None if self._demand_blocks else self._idle_shrink_due_in()
         if self._num_held > policy.max_pages:
@@ -450,7 +456,7 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
         if not busy and self._status is not None:
             refill = short
         self._blocks_handed_out = 0
-        if short > 0 and self._num_held < policy.max_pages:
+        if short > 0 and self._num_held < self._page_limit:
             growable = self._growable_blocks()
             # With page reports, pages of a step without a forward pass are
             # mapped before it (there is nothing to hide behind); without,
@@ -469,6 +475,8 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
                     self._denied_logged = True
             else:
                 self._denied_logged = False
+        if self._fair:
+            self._publish_demand()
         if not self._pending:
             return None
         ops, self._pending = self._pending, KVPageOps()
@@ -497,7 +505,18 @@ class PagedBlockPool(PageLimitsMixin, BlockPool):
         if self._inflight:
             # Check the ranks' reports at the next step.
             return 0.0 if self.idle else None
-        return self._idle_shrink_due_in()
+        due = self._idle_shrink_due_in()
+        if self._fair and self.idle and self._pages_beyond_floor() > 0:
+            # An idle engine above its floor gives pages back to a waiting
+            # engine below its share at its next ledger read, without
+            # waiting for the shrink delay.
+            self._read_ledger()
+            if self._share_reclaim > 0 and self._surplus_pages():
+                return 0.0
+            due = min(
+                due if due is not None else float("inf"), LEDGER_FULL_READ_INTERVAL_S
+            )
+        return due
 
     def close(self) -> None:
         """Leave the device ledgers (also done at exit)."""
