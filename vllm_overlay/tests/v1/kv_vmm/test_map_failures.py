@@ -52,7 +52,7 @@ def make_policy(
         headroom_pages=headroom,
         shrink="idle",
         shrink_delay_s=0.0,
-        page_bytes=1 << 20,
+        device_page_bytes=1 << 20,
         ahead_blocks=ahead_blocks,
         page_status_path=status.path,
         num_ranks=num_ranks,
