@@ -57,7 +57,7 @@ class Clock:
 
 @pytest.fixture
 def ledger_dir(ledger_base):
-    # Page reports and ledgers of this test only (conftest.py).
+    # Ledgers of this test only (conftest.py's directory).
     return ledger_base
 
 

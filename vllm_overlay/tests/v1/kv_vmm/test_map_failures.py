@@ -37,7 +37,7 @@ class Clock:
 
 @pytest.fixture
 def ledger_dir(ledger_base):
-    # Page reports and ledgers of this test only (conftest.py).
+    # Page reports and ledgers of this test only (conftest.py's directory).
     return ledger_base
 
 
