@@ -120,10 +120,13 @@ class PageLimitsMixin:
             self._surplus_since = now
         return now - self._surplus_since >= policy.shrink_delay_s
 
-    def _surplus_pages(self) -> list[int]:
+    def _surplus_pages(self, keep_blocks: int | None = None) -> list[int]:
         """Free pages (highest first) whose blocks the pool can spare while
-        keeping a step's worth of free blocks mapped."""
-        spare = self.free_block_queue.num_free_blocks - self._ahead_target()
+        keeping ``keep_blocks`` free blocks mapped (a step's worth by
+        default)."""
+        if keep_blocks is None:
+            keep_blocks = self._ahead_target()
+        spare = self.free_block_queue.num_free_blocks - keep_blocks
         # Never below the floor (the ledger keeps it for this engine anyway).
         beyond_floor = self._pages_beyond_floor()
         pages: list[int] = []

@@ -42,7 +42,9 @@ class FairShareMixin:
         @property
         def _num_held(self) -> int: ...
 
-        def _surplus_pages(self) -> list[int]: ...
+        def _surplus_pages(self, keep_blocks: int | None = None) -> list[int]: ...
+
+        def _ahead_target(self) -> int: ...
 
         def _inflight_blocks(self) -> int: ...
 
@@ -93,10 +95,23 @@ class FairShareMixin:
             reclaim.preempt_delay_s,
         )
 
+    def _share_surplus(self) -> list[int]:
+        """Free pages the fair share can take back: beyond a step's worth of
+        free blocks, or, below that, beyond what the effective limit leaves
+        beside the blocks in use (an engine capped at a share smaller than
+        a step's worth keeps no more), and beyond the floor."""
+        keep = self._ahead_target()
+        if self._share_limit is not None:
+            bpp = self.policy.blocks_per_page
+            free = self.free_block_queue.num_free_blocks
+            in_use = self._num_mapped_blocks - free  # the null block's included
+            keep = min(keep, max(self._share_limit * bpp - in_use, 0))
+        return self._surplus_pages(keep)
+
     def _step_share(self, now: float) -> None:
         """Step the controllers on the ledgers just read."""
         assert self._share is not None
-        decision = self._share.decide(now, len(self._surplus_pages()))
+        decision = self._share.decide(now, len(self._share_surplus()))
         if decision is None:
             self._share_limit, self._share_reclaim = None, 0
             self._share_preempt = False
@@ -110,7 +125,7 @@ class FairShareMixin:
         """Unmap free pages the decision asked for (highest first, beyond a
         step's worth of free blocks and the floor, cached prefix blocks on
         them evicted)."""
-        pages = self._surplus_pages()[: self._share_reclaim]
+        pages = self._share_surplus()[: self._share_reclaim]
         if pages:
             self._unmap(pages)
             self._share_reclaim -= len(pages)
@@ -172,4 +187,4 @@ class FairShareMixin:
         more than one request runs."""
         if not self._share_preempt or self._share_reclaim <= 0:
             return 0
-        return self._share_reclaim - len(self._surplus_pages())
+        return self._share_reclaim - len(self._share_surplus())

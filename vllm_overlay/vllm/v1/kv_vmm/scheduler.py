@@ -511,7 +511,7 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
             # engine below its share at its next ledger read, without
             # waiting for the shrink delay.
             self._read_ledger()
-            if self._share_reclaim > 0 and self._surplus_pages():
+            if self._share_reclaim > 0 and self._share_surplus():
                 return 0.0
             due = min(
                 due if due is not None else float("inf"), LEDGER_FULL_READ_INTERVAL_S
