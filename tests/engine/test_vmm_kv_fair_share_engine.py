@@ -2,17 +2,19 @@
 
 Two real vLLM 0.32.0 engines join the host's KV memory ledger, whose capacity (set with the
 ledger CLI) is 10 pages while each engine keeps asking for more than that: 4 requests of 700
-prompt tokens running and 4 more waiting, a new one as soon as one finishes; each engine's
-floor is one page. With the fair share (--kv-cache-vmm-share-policy fair, the default), at
-equal weights each engine's share is half of the capacity; after
-`ledger_cli set ENGINE --weight 3` it is 3/4 and 1/4 (7 and 2 whole pages).
+prompt tokens running (max_num_seqs) and 4 more waiting, a new one as soon as one finishes;
+each engine's floor is one page. With the fair share (--kv-cache-vmm-share-policy fair, the
+default), at equal weights each engine's share is half of the capacity. After
+`ledger_cli set ENGINE --weight 3` engine a's weighted part is 3/4 (7.5 pages), more than its
+4 running requests use (about 6 pages): max-min gives it what it wants and engine b the rest.
 
 Bound (asserted): from 4 s after the shares were set (both engines busy, or the weight
 changed) to the end of that phase (10 s), each engine's share (fair_shares of the ledger, in
-whole pages, median of the samples taken after each of its steps) is within a page of its
-weighted part (max-min: an engine that wants less leaves the rest to the other), and the median
-of its mapped pages is within 2 pages of that share (the controller's dead band is 5% of the
-share and at least a page, plus the page in flight of a step's grow or give-back).
+whole pages, median of the samples taken after each of its steps) is 5 pages at 1:1, and at
+3:1 at least 6 pages for engine a and at most 4 for engine b (the weight moved them); the
+median of each engine's mapped pages is within 2 pages of its share (the controller's dead
+band is 5% of the share and at least a page, plus the page in flight of a step's grow or
+give-back).
 No engine starves: from 4 s into each phase, each produces tokens in every 3 s. Every request completes,
 and its token ids equal those of an engine that does not share (greedy decoding; requests
 preempted for pages are recomputed).
@@ -119,15 +121,14 @@ class Driver:
             self.step()
         return start, time.monotonic()
 
-    def check_phase(self, start: float, end: float, shares: dict[str, int]) -> None:
-        for name, expected in shares.items():
+    def check_phase(self, start: float, end: float,
+                    shares: dict[str, tuple[int, int]]) -> None:
+        for name, (low, high) in shares.items():
             window = [(mapped, share) for t, mapped, share in self.samples[name]
                       if start + SETTLE_S <= t <= end]
             assert window, f"{name}: no step between {SETTLE_S} s and the end of the phase"
-            # The share follows the weights (max-min: an engine that wants less than its
-            # weighted part leaves the rest to the other, so within a page of it).
             share = statistics.median(s for _, s in window)
-            assert abs(share - expected) <= 1, (name, share, window[-5:])
+            assert low <= share <= high, (name, share, window[-5:])
             median = statistics.median(m for m, _ in window)
             assert abs(median - share) <= BOUND_PAGES, (
                 f"{name} mapped a median {median} pages, its share is {share}: "
@@ -167,14 +168,12 @@ def test_two_over_subscribed_engines_share_by_weight(tmp_path, ledger_dir):
 
         half = CAPACITY_PAGES // 2
         start, end = driver.run(PHASE_S)
-        driver.check_phase(start, end, {"a": half, "b": half})
+        driver.check_phase(start, end, {"a": (half, half), "b": (half, half)})
 
         args = ["set", engine_ids["a"], "--weight", "3", *run]
         assert ledger_cli(args, str(ledger_dir)) == 0
         start, end = driver.run(PHASE_S)
-        # 7.5 and 2.5 pages: each engine maps whole pages within its share.
-        driver.check_phase(start, end, {"a": CAPACITY_PAGES * 3 // 4,
-                                        "b": CAPACITY_PAGES // 4})
+        driver.check_phase(start, end, {"a": (6, CAPACITY_PAGES - 1), "b": (1, 4)})
 
         driver.adding = False
         deadline = time.monotonic() + 120
