@@ -61,7 +61,10 @@ def make_pool(name: str, clock: Clock, **share) -> PagedBlockPool:
         ),
     )
     pool = PagedBlockPool(
-        num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=16, policy=policy
+        num_gpu_blocks=NUM_BLOCKS,
+        enable_caching=True,
+        hash_block_size=16,
+        policy=policy,
     )
     pool.clock = clock
     pool.set_share_options(ShareOptions(**share))
@@ -254,7 +257,8 @@ def test_the_share_fields_of_a_ledger_are_checked(ledger_base, field, value):
     clock = Clock()
     a = make_pool("a", clock)
     ledger = KVMemoryLedger("host")
-    doc = json.loads(open(ledger.path).read())
+    with open(ledger.path) as f:
+        doc = json.load(f)
     doc["entries"][0][field] = value
     with open(ledger.path, "w") as out:
         json.dump(doc, out)
@@ -267,7 +271,8 @@ def test_an_entry_without_the_share_fields_reads_as_an_older_engine(ledger_base)
     clock = Clock()
     a = make_pool("a", clock)
     ledger = KVMemoryLedger("host")
-    doc = json.loads(open(ledger.path).read())
+    with open(ledger.path) as f:
+        doc = json.load(f)
     for field in ("used_bytes", "waiting_bytes", "waiting_since", "weight"):
         del doc["entries"][0][field]
     with open(ledger.path, "w") as out:
