@@ -132,14 +132,14 @@ def test_a_waiting_engine_below_its_share_gets_free_pages_back(ledger_base):
     assert a.admission_reserve_blocks() == 0
     # Once B waited 0.25 s, A's effective limit is its share and it gives
     # its free pages back down to it at its next step (within the rate: 64
-    # pages a second). A has no demand: its share is its floor (0 here); it
-    # keeps the null block's page and a step's worth of free blocks.
+    # pages a second). A has no demand: its share is its floor (0 here), less
+    # than a step's worth, so it keeps only the null block's page.
     clock.now += 0.3
     b.take_page_ops()
     assert a.page_step_due_in() == 0.0  # an idle engine steps for it
     ops = step(a, clock)
     assert ops is not None and ops.unmap
-    assert a.num_mapped_pages == 2
+    assert a.num_mapped_pages == 1
     assert a._page_limit == 0 and a.policy.max_pages == 16  # the operator's
     assert a.num_share_reclaimed_pages_total == peak - a.num_mapped_pages
     # B now has room up to its share.
