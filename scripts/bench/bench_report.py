@@ -261,7 +261,7 @@ def _ratio_text(r: dict) -> str:
             f"n={len(r['pairs'])}")
 
 
-def _workload_text(name: str, w: dict, workload: dict | None) -> str:
+def _workload_text(name: str, w: dict) -> str:
     plans = [p for p in w.get("plan", []) if p]
     if not plans:
         return name
@@ -298,7 +298,7 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
     for wl in names:
         ws = {k: m["workloads"].get(wl, {}) for k, m in measured.items()}
         over = wl != "peak"
-        what = _workload_text(wl, next((w for w in ws.values() if w.get("plan")), {}), None)
+        what = _workload_text(wl, next((w for w in ws.values() if w.get("plan")), {}))
         a, b = ws.get("static", {}), ws.get(vmm, {}) if vmm else {}
         for key in SHARING_STAT_KEYS:
             if not (static and vmm) or not a.get(key) or not b.get(key):
@@ -310,13 +310,17 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
             row("sharing", f"{head}, {what}: {_SHARING_STAT_LABELS[key]}, "
                 f"{SHARING_NAMES[vmm]} / static", _spread(a[key]), _spread(b[key]),
                 _ratio_text(r), *verdict)
+        for other in ("first-come", "kvcached"):
+            if not static or other not in ws or other == vmm:
+                continue
+            for key in ("ttft_mean_ms", "ttft_p99_ms"):
+                r = _paired(a, ws[other], key)
+                if r:
+                    row("sharing", f"{head}, {wl}: {_SHARING_STAT_LABELS[key]}, "
+                        f"{SHARING_NAMES[other]} / static", _spread(a[key]),
+                        _spread(ws[other][key]), _ratio_text(r))
         if static and "first-come" in ws and vmm != "first-come":
             fc = ws["first-come"]
-            for key in ("ttft_mean_ms", "ttft_p99_ms"):
-                r = _paired(a, fc, key)
-                if r:
-                    row("sharing", f"{head}, {wl}: {_SHARING_STAT_LABELS[key]}, first-come "
-                        "shared / static", _spread(a[key]), _spread(fc[key]), _ratio_text(r))
             r = _paired(fc, b, "ttft_p99_ms")
             if r and over:
                 row("sharing", f"{head}, {wl}: TTFT p99 (ms), fair / first-come shared "

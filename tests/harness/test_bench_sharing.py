@@ -381,6 +381,13 @@ def test_report_compares_fair_and_first_come_with_the_static_split_per_workload(
     detail = next(line for line in md.splitlines() if line.startswith("- 7") and "over3, per "
                   "repetition" in line)
     assert "fair shared: failed 0/0/0 of 20/20/20 requests, preemptions 1/3/5" in detail
+    # kvcached beside them: against the static split on every workload, and fair against
+    # it on the peaks (no worse).
+    modes["kvcached"] = _measured(500.0)
+    md = render_results({"items": {"sharing": data}})
+    assert "| 0.500 [0.500..0.500], n=3 |" in _row(md, "over3", "TTFT p99", "kvcached / static")
+    assert "| 0.600 [0.600..0.600], n=3 | <= 1.0 | pass |" in _row(
+        md, "peak: TTFT mean", "fair shared / kvcached")
     # Fair with failed requests (and a dead engine) fails its row, with the error shown.
     modes["fair"] = _measured(300.0, failed=2)
     md = render_results({"items": {"sharing": data}})
