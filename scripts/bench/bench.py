@@ -73,7 +73,8 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 from bench_items import (  # noqa: E402
     SHARING_WORKLOADS, Budget, Runner, check_sharing, item_elasticity, item_engine_ab,
-    item_pagemap, item_pd, item_sharing, item_tp2_startup, parse_bytes, sharing_modes,
+    item_pagemap, item_pd, item_sharing, item_tp2_startup, kvcached_server_env, parse_bytes,
+    sharing_modes,
 )
 from bench_proc import exit_on_signals  # noqa: E402
 from bench_report import merge_item, render_results  # noqa: E402
@@ -183,11 +184,7 @@ def sharing_arguments(args: argparse.Namespace, device: str, env: dict) -> dict:
         engines = PROFILES["cuda-quick"]["sharing"]["engines"]
     parse_weights(args.sharing_weights, engines)
     if args.sharing_modes is not None and "kvcached" in modes:
-        env = dict(env, **dict(kv.split("=", 1) for kv in args.kvcached_env if "=" in kv))
-        if args.stock_path:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.stock_path,
-                                                              env.get("PYTHONPATH")]))
-        why = kvcached_missing(env)
+        why = kvcached_missing(kvcached_server_env(env, args.stock_path, args.kvcached_env))
         if why:
             raise SystemExit(f"--sharing-modes names kvcached, but {why}; or leave it out of "
                              "--sharing-modes")

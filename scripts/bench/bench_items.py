@@ -415,6 +415,14 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def kvcached_server_env(env: dict, stock_path: str | None, kvcached_env: list[str]) -> dict:
+    """The environment item 7's kvcached servers get (bench_sharing.py --python-path, --env)."""
+    env = dict(env, **dict(kv.split("=", 1) for kv in kvcached_env if "=" in kv))
+    if stock_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [stock_path, env.get("PYTHONPATH")]))
+    return env
+
+
 def check_sharing(modes: list[str], workloads: list[dict], capacity: int | None) -> None:
     """Stop before anything runs where the over-subscribed workloads would have no KV
     capacity: the first mode measures it, and kvcached cannot."""
@@ -496,11 +504,7 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
     if capacity:
         result["kv_capacity"] = {"bytes": capacity, "source": "given (--sharing-kv-capacity)"}
     if "kvcached" in modes:
-        env = dict(runner.env, **dict(kv.split("=", 1) for kv in kvcached_env if "=" in kv))
-        if stock_path:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [stock_path,
-                                                              env.get("PYTHONPATH")]))
-        why = kvcached_missing(env)
+        why = kvcached_missing(kvcached_server_env(runner.env, stock_path, kvcached_env))
         if why:
             modes.remove("kvcached")
             result["modes"]["kvcached"] = {"not_installed": why}

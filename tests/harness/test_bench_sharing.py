@@ -494,8 +494,16 @@ def test_bench_checks_the_sharing_options_before_anything_runs(monkeypatch):
     assert opts["workloads"] == "peak,over1.5,over3" and opts["kv_capacity_bytes"] is None
     assert bench.sharing_arguments(args(sharing_kv_capacity="20GiB"), "cpu",
                                    {})["kv_capacity_bytes"] == 20 << 30
+    seen: list[dict] = []
+    monkeypatch.setattr(bs, "kvcached_missing",
+                        lambda env: seen.append(env) or "kvcached is not importable")
     with pytest.raises(SystemExit, match="names kvcached, but kvcached is not importable"):
-        bench.sharing_arguments(args(sharing_modes="static,kvcached"), "cuda", {})
+        bench.sharing_arguments(args(sharing_modes="static,kvcached", stock_path="/stock",
+                                     kvcached_env=["LD_PRELOAD=/x.so"]), "cuda",
+                                {"PYTHONPATH": "/site"})
+    # Looked for with the servers' PYTHONPATH and environment.
+    assert seen == [{"PYTHONPATH": os.pathsep.join(["/stock", "/site"]),
+                     "LD_PRELOAD": "/x.so"}]
     with pytest.raises(SystemExit, match="kvcached cannot measure"):
         bench.sharing_arguments(args(sharing_modes="kvcached,static"), "cuda", {})
     # Given a capacity, kvcached may go first (found installed here).
@@ -506,3 +514,13 @@ def test_bench_checks_the_sharing_options_before_anything_runs(monkeypatch):
                 {"sharing_weights": "1,2,3,4"}, {"sharing_repeats": 0}):
         with pytest.raises(SystemExit):
             bench.sharing_arguments(args(**bad), "cuda", {})
+
+
+def test_kvcached_is_looked_for_on_the_servers_python_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    why = bs.kvcached_missing(env)
+    assert why is not None and "not importable" in why and "--stock-path" in why
+    # A package of that name on the servers' PYTHONPATH (not imported: only found).
+    (tmp_path / "kvcached").mkdir()
+    (tmp_path / "kvcached" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    assert bs.kvcached_missing(env | {"PYTHONPATH": str(tmp_path)}) is None
