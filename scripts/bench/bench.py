@@ -135,7 +135,7 @@ PROFILES: dict[str, dict] = {
                                "distributed_executor_backend": "uni"}},
         "pagemap": {"backend": "host", "pages": 16, "repeats": 3, "invocations": 1},
         "est_child_s": 30, "est_serve_s": 40, "est_transfer_s": 20, "warmup": False,
-        "sharing": {"model": "tiny-llama", "engines": 2, "repeats": 1, "timeout_s": 900},
+        "sharing": {"model": "tiny-llama", "engines": 2, "repeats": 1, "timeout_s": 1500},
     },
 }
 

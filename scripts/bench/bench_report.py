@@ -393,8 +393,9 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
     if w:
         stock = ("stock vLLM from `--stock-path`" if (static or {}).get("python_path")
                  else "the default KV backend")
-        text = (f"- {title}: stock = {stock}, the device split statically "
-                f"(`--gpu-memory-utilization` {w['share']}/N, or the CPU KV budget / N); shared "
+        split = (f"`kv_cache_memory_bytes` {w['share']}/N" if (run or {}).get("device") == "cpu"
+                 else f"`--gpu-memory-utilization` {w['share']}/N")
+        text = (f"- {title}: stock = {stock}, the device split statically ({split}); shared "
                 "= every engine `--kv-cache-vmm-shared` with the whole share (first-come / "
                 "fair: `--kv-cache-vmm-share-policy`); peak: per repetition every engine gets "
                 f"{w['background_rate']} req/s all along and in turn a peak of {w['peak_rate']} "

@@ -37,7 +37,7 @@ def test_bench_sharing_cpu(tmp_path: Path, monkeypatch):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"), "--items",
                            "sharing", "--device", "cpu", "--out", str(out), "--sharing-seed",
-                           "3"], capture_output=True, text=True, timeout=3000)
+                           "3"], capture_output=True, text=True, timeout=4800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     item = json.loads((out / "results.json").read_text())["items"]["sharing"]
     assert item["engines"] == 2 and set(item["modes"]) == set(MODES)
