@@ -193,7 +193,7 @@ def test_sharing_a_device_pages_are_mapped_ahead_on_a_thread_of_their_own():
     policy = make_kv_page_policy(cache_config, [config])
     status = create_page_status(4, tag="ahead-thread")
     policy.page_status_path = status.path
-    policy.ledger = KVLedgerOptions(devices={"host": policy.page_bytes})
+    policy.ledger = KVLedgerOptions(devices={"host": policy.device_page_bytes})
     config.kv_page_policy = policy
     _, mapper = allocate_vmm_kv_tensors(config, torch.device("cpu"), {"l0": 2, "l1": 1})
     try:
