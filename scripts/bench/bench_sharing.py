@@ -503,6 +503,13 @@ def main() -> None:
                    help="environment of the servers (repeatable)")
     args = p.parse_args()
 
+    for flag, value, least in (("--engines", args.engines, 1), ("--repeats", args.repeats, 1),
+                               ("--first-rep", args.first_rep, 0),
+                               ("--single-rounds", args.single_rounds, 0)):
+        if value < least:
+            raise SystemExit(f"{flag} {value}: give {least} or more")
+    if args.kv_capacity_bytes is not None and args.kv_capacity_bytes < 1:
+        raise SystemExit(f"--kv-capacity-bytes {args.kv_capacity_bytes}: give a positive size")
     prof = json.loads(json.dumps(PROFILES[args.device]))
     for item in args.set:
         key, _, value = item.partition("=")

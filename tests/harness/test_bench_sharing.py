@@ -524,3 +524,26 @@ def test_kvcached_is_looked_for_on_the_servers_python_path(tmp_path):
     (tmp_path / "kvcached").mkdir()
     (tmp_path / "kvcached" / "__init__.py").write_text("raise SystemExit('imported')\n")
     assert bs.kvcached_missing(env | {"PYTHONPATH": str(tmp_path)}) is None
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--repeats", "0"], "--repeats 0: give 1 or more"),
+    (["--engines", "0"], "--engines 0: give 1 or more"),
+    (["--first-rep", "-1"], "--first-rep -1: give 0 or more"),
+    (["--kv-capacity-bytes", "0"], "--kv-capacity-bytes 0: give a positive size"),
+    (["--workloads", "over"], "workload 'over'"),
+    (["--weights", "1,0,1"], "--weights '1,0,1': give 3 positive numbers"),
+    (["--set", "bogus=1"], "--set bogus: not a profile value"),
+])
+def test_bench_sharing_refuses_bad_arguments_before_starting_a_server(tmp_path, bad, message):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+         "vocab_size": 4096, "torch_dtype": "bfloat16"}))
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/bench_sharing.py"),
+                           "--mode", "fair", "--model", str(tmp_path), "--json",
+                           str(tmp_path / "out.json"), *bad],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.json").exists() and not list(tmp_path.glob("sharing-*.log"))
