@@ -445,6 +445,21 @@ def capacity_from_metrics(mode: str, texts: list[str | None],
                      "--kv-capacity-bytes (e.g. what a static run measured)")
 
 
+def measure_capacity(mode: str, servers: list[Server], bytes_per_token: int,
+                     wait_s: float = 15.0) -> tuple[int, str]:
+    """capacity_from_metrics of the servers, asked again for up to ``wait_s`` seconds while
+    their metrics lack it (the engines publish their figures with their step statistics)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return capacity_from_metrics(mode, [fetch_metrics(s) for s in servers],
+                                         bytes_per_token)
+        except SystemExit:
+            if time.monotonic() >= deadline or mode not in ("static", *SHARED_MODES):
+                raise
+            time.sleep(1.0)
+
+
 def run_workload(servers: list[Server], model: str, plan: list, max_tokens: int,
                  timeout: float) -> dict:
     """One repetition of a workload: its summary, with each engine's preemptions during it."""
@@ -584,8 +599,8 @@ def main() -> None:
             raise SystemExit(f"{args.mode}: warm-up: {failed['failed']} of {failed['requests']} "
                              f"requests failed, first: {failed['first_error']}")
         if result["kv_capacity_bytes"] is None and any(w["kind"] == "over" for w in workloads):
-            result["kv_capacity_bytes"], result["capacity_source"] = capacity_from_metrics(
-                args.mode, [fetch_metrics(s) for s in servers], bytes_per_token)
+            result["kv_capacity_bytes"], result["capacity_source"] = measure_capacity(
+                args.mode, servers, bytes_per_token)
             print(f"{args.mode}: KV capacity {result['kv_capacity_bytes'] / 2**30:.2f} GiB: "
                   f"{result['capacity_source']}", flush=True)
 

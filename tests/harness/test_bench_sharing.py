@@ -547,3 +547,35 @@ def test_bench_sharing_refuses_bad_arguments_before_starting_a_server(tmp_path, 
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "out.json").exists() and not list(tmp_path.glob("sharing-*.log"))
+
+
+def test_the_capacity_is_asked_for_again_until_the_engines_publish_it():
+    """A real HTTP /metrics that lacks the ledger's capacity twice, then shows it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    answers = ["vllm:other 1\n", "vllm:other 1\n", METRICS]
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = (answers.pop(0) if len(answers) > 1 else answers[0]).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = SimpleNamespace(port=httpd.server_address[1])
+        assert bs.measure_capacity("fair", [server], 100, wait_s=10)[0] == 25_000_000_000
+        assert answers == [METRICS]
+        # Never published: the error after the wait.
+        answers[:] = ["vllm:other 1\n"]
+        with pytest.raises(SystemExit, match="no ledger capacity"):
+            bs.measure_capacity("fair", [server], 100, wait_s=1.5)
+    finally:
+        httpd.shutdown()
