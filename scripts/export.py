@@ -36,7 +36,7 @@ from buildtree import (  # noqa: E402
 )
 from seriestool import (  # noqa: E402
     HARNESS_IDENT, ROOT, SeriesError, build_dir, format_patch_args, get_release, git, git_out,
-    main_guard, overlay_digest, overlay_files, read_state, run,
+    main_guard, overlay_digest, overlay_files, read_series, read_state, run,
 )
 
 SIGNOFF_RE = re.compile(r"^Signed-off-by: (?P<name>[^<>\n]*\S) <(?P<email>[^<>\s@]+@[^<>\s]+)>$")
@@ -256,7 +256,10 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
       last overlay module it imports arrives;
     - a test file (tests/**/test_*.py) goes with the module it tests: into the patch where the
       last overlay file it needs (its imports, its conftest.py/__init__.py, through support
-      modules such as utils.py) arrives, or earlier where a patch's code names it;
+      modules such as utils.py) arrives; a test that a patch names (a CI step that runs it)
+      goes into that patch instead, and brings the modules it imports if they have not
+      arrived yet (a library patch is its modules and the CI step of their tests; a later
+      patch names the tests of what it adds to earlier modules);
     - other files under tests/ (conftest.py, utils.py, __init__.py) go with the first test
       that needs them;
     - unused: a compat module (compat.py, _compat.py, compat/) is dropped (the release needs
@@ -282,8 +285,26 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         for rel in refs:
             first_ref.setdefault(rel, i)
 
+    def closure(rel: str) -> set[str]:
+        seen, todo = set(), [rel]
+        while todo:
+            for dep in deps[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    if is_test_side(dep) and not is_test_file(dep):
+                        todo.append(dep)
+        return seen
+
     # Files outside tests/: the first patch that uses them, directly or through each other.
     at = {rel: i for rel, i in first_ref.items() if not is_test_side(rel)}
+    # A test a patch names (a CI step that runs it) is that patch's test: the modules it
+    # imports are used by that patch too (a library patch is its modules and the CI step of
+    # their tests).
+    for rel, i in first_ref.items():
+        if is_test_file(rel):
+            for dep in closure(rel):
+                if not is_test_side(dep) and at.get(dep, len(patch_refs)) > i:
+                    at[dep] = i
     changed = True
     while changed:
         changed = False
@@ -313,17 +334,9 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         else:
             orphans.append(rel)
 
-    # Test files: where the last file they need arrives (earlier if a patch names them).
-    def closure(rel: str) -> set[str]:
-        seen, todo = set(), [rel]
-        while todo:
-            for dep in deps[todo.pop()]:
-                if dep not in seen:
-                    seen.add(dep)
-                    if is_test_side(dep) and not is_test_file(dep):
-                        todo.append(dep)
-        return seen
-
+    # Test files: where the last file they need arrives, or in the patch that names them
+    # (the feature they test arrives there: a later patch's CI step names the tests of what
+    # it adds to earlier modules).
     tests_at: dict[str, int] = {}
     for rel in sorted(files):
         if not is_test_file(rel):
@@ -338,7 +351,7 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         i = max((at[d] for d in needs if d in at), default=first_ref.get(rel, 0))
         if needs - set(at) - set(placed.dropped):
             continue  # needs an unused file: reported with it
-        tests_at[rel] = min(i, first_ref.get(rel, i))
+        tests_at[rel] = first_ref.get(rel, i)
     # Support files under tests/: with the first test that needs them.
     for rel in sorted(files):
         if not is_test_side(rel) or is_test_file(rel):
@@ -366,6 +379,41 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         )
     placed.at = {rel: i for rel, i in at.items() if rel not in placed.dropped}
     return placed
+
+
+# A note of patches/vX/series that gives overlay tests to a patch:
+#   # Tests of vmm-runtime-page-limit.patch: tests/v1/kv_vmm/test_page_limit.py
+# (paths separated by spaces or commas, on one line). The patch is their patch as if a CI
+# step of it named them: the feature they test arrives there, even when the modules they
+# import arrived earlier.
+TESTS_OF = re.compile(r"^#\s*Tests of (?P<patch>[\w.+-]+\.patch):\s*(?P<files>\S.*)$")
+
+
+def tests_named_in_series(release, overlay: set[str]) -> dict[int, set[str]]:
+    """{index of the patch in the series: overlay test files the series' notes give it}."""
+    header, names = read_series(release)
+    found: dict[int, set[str]] = {}
+    bad = []
+    for line in header:
+        m = TESTS_OF.match(line.strip())
+        if not m:
+            continue
+        files = [f for f in re.split(r"[\s,]+", m["files"]) if f]
+        if m["patch"] not in names:
+            bad.append(f"{line.strip()!r}: {m['patch']} is not in the series")
+            continue
+        for f in files:
+            if f not in overlay or not is_test_file(f):
+                bad.append(f"{line.strip()!r}: {f} is not a test file of vllm_overlay/")
+        found.setdefault(names.index(m["patch"]), set()).update(
+            f for f in files if f in overlay and is_test_file(f))
+    if bad:
+        raise SeriesError(
+            f"patches/{release.tag}/series gives tests to patches it cannot:\n  "
+            + "\n  ".join(bad),
+            "Name a patch of the series and test files of vllm_overlay/ (tests/**/test_*.py).",
+        )
+    return found
 
 
 def patch_references(tree: Path, commit: str, modules: dict[str, str],
@@ -521,6 +569,8 @@ def export(release, out: Path, draft: bool = False,
              for rel in overlay_files()}
     modules = {m: rel for rel in files if (m := module_of(rel))}
     refs = [patch_references(tree, c, modules, set(files)) for c in topics]
+    for i, tests in tests_named_in_series(release, set(files)).items():
+        refs[i] |= tests
     placed = place_overlay(files, refs)
     exported, stripped = build_commits(tree, release.tag, topics, placed, name, email)
 
