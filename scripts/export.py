@@ -416,6 +416,31 @@ def tests_named_in_series(release, overlay: set[str]) -> dict[int, set[str]]:
     return found
 
 
+# Overlay files the export of one release sends in another form: patches/vX/export/<path>
+# replaces vllm_overlay/<path> in every exported patch that has it. The overlay's compat
+# module probes releases (getattr, hasattr, ImportError) because one file serves every
+# release; what goes upstream for the newest release is that release's behaviour alone.
+EXPORT_VARIANTS = "export"
+
+
+def export_variants(release, overlay: set[str]) -> dict[str, str]:
+    """{overlay path: text the export sends instead} from patches/vX/export/."""
+    root = release.series_dir / EXPORT_VARIANTS
+    if not root.is_dir():
+        return {}
+    found = {str(f.relative_to(root).as_posix()): f.read_text()
+             for f in sorted(root.rglob("*")) if f.is_file() and "__pycache__" not in f.parts}
+    stray = sorted(rel for rel in found if rel not in overlay)
+    if stray:
+        raise SeriesError(
+            f"patches/{release.tag}/{EXPORT_VARIANTS}/ has files that replace no file of "
+            "vllm_overlay/:\n  " + "\n  ".join(stray),
+            f"Name them as the overlay file they replace (patches/{release.tag}/"
+            f"{EXPORT_VARIANTS}/vllm/v1/kv_cache_compat.py), or delete them.",
+        )
+    return found
+
+
 def patch_references(tree: Path, commit: str, modules: dict[str, str],
                      paths: set[str]) -> set[str]:
     """Overlay files that the code of the files a topic commit changes uses, as they are
@@ -572,7 +597,9 @@ def export(release, out: Path, draft: bool = False,
     for i, tests in tests_named_in_series(release, set(files)).items():
         refs[i] |= tests
     placed = place_overlay(files, refs)
-    exported, stripped = build_commits(tree, release.tag, topics, placed, name, email)
+    variants = export_variants(release, set(files))
+    exported, stripped = build_commits(tree, release.tag, topics, placed, name, email,
+                                       variants)
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -581,13 +608,17 @@ def export(release, out: Path, draft: bool = False,
     patches = sorted(out.glob("*.patch"))
     if verify:
         check_round_trip(tree, release, patches, exported=exported,
-                         dropped=sorted(placed.dropped))
+                         dropped=sorted(placed.dropped), variants=variants)
     for i, name_ in enumerate(names):
         added = placed.files_of(i)
         if added:
             print(f"{name_}: with {len(added)} overlay files: {', '.join(added)}")
     for rel, why in sorted(placed.dropped.items()):
         print(f"not exported: {rel} ({why})")
+    for rel in sorted(variants):
+        if rel in placed.at:
+            print(f"exported as patches/{release.tag}/{EXPORT_VARIANTS}/{rel}: {rel} "
+                  f"(the overlay's file serves every release)")
     for patch, notes in zip(patches, stripped):
         for note in notes:
             lines = note.split("\n")
@@ -600,7 +631,8 @@ def export(release, out: Path, draft: bool = False,
 
 
 def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, name: str,
-                  email: str) -> tuple[list[str], list[list[str]]]:
+                  email: str, variants: dict[str, str] | None = None,
+                  ) -> tuple[list[str], list[list[str]]]:
     """One commit per topic on the pristine tag: the topic's tree less the overlay files of
     later topics (and the dropped ones), your identity, the message as `export_message` makes
     it. Returns the commits and, per commit, the project-only notes stripped."""
@@ -615,6 +647,13 @@ def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, n
             later = [f for f, at in placed.at.items() if at > i] + list(placed.dropped)
             if later:
                 git(tree, "update-index", "--force-remove", "--", *sorted(later), env=env)
+            for rel, text in sorted((variants or {}).items()):
+                if placed.at.get(rel, len(topics)) <= i:
+                    variant = Path(tmp) / "variant"
+                    variant.write_text(text)
+                    blob = git_out(tree, "hash-object", "-w", str(variant))
+                    git(tree, "update-index", "--add", "--cacheinfo",
+                        f"100644,{blob},{rel}", env=env)
             new_tree = git_out_env(tree, env, "write-tree")
             msg = Path(tmp) / "msg"
             text, notes = export_message(git_out(tree, "log", "-1", "--format=%B", commit),
@@ -632,7 +671,8 @@ def git_out_env(tree: Path, env: dict, *args: str, dated: bool = True) -> str:
 
 
 def check_round_trip(tree: Path, release, files: list[Path], exported: list[str] | None = None,
-                     dropped: list[str] | None = None) -> None:
+                     dropped: list[str] | None = None,
+                     variants: dict[str, str] | None = None) -> None:
     """`git am` of `files` onto pristine vX must reproduce the patched tree byte for byte,
     less the `dropped` overlay files; with `exported`, each patch must also give exactly the
     tree of the commit it was made from.
@@ -650,11 +690,15 @@ def check_round_trip(tree: Path, release, files: list[Path], exported: list[str]
                 "Re-make the commit that fails so it applies as sent (a file with CRLF line ends, "
                 "for example, loses its CRs in `git am`), `make refresh`, then export again.",
             )
-        excluded = [f":(exclude){p}" for p in dropped or []]
+        excluded = [f":(exclude){p}" for p in [*(dropped or []), *(variants or {})]]
         diff = git_out(wt, "diff", "--stat", "HEAD", git_out(tree, "rev-parse", "HEAD"),
                        "--", ".", *excluded)
         missing = [p for p in dropped or []
                    if git(wt, "cat-file", "-e", f"HEAD:{p}", check=False).returncode == 0]
+        for rel, text in sorted((variants or {}).items()):
+            sent = git(wt, "show", f"HEAD:{rel}", check=False)
+            if sent.returncode == 0 and sent.stdout != text:
+                diff += f"\n {rel} (not patches/{release.tag}/{EXPORT_VARIANTS}/{rel})"
         if diff or missing:
             raise SeriesError(
                 f"`git am` of the exported patches onto pristine {release.tag} does not "
