@@ -114,7 +114,10 @@ class SameHostStats:
             self._counts[key] = self._counts.get(key, 0) + 1
         if self._first_log("refused", peer, reason):
             logger.warning(
-                "Same-host KV channel of %s refused (%s): %s", peer, reason.value, detail
+                "Same-host KV channel of %s refused (%s): %s",
+                peer,
+                reason.value,
+                detail,
             )
 
     def _first_log(self, kind: str, peer: str, reason: Fallback) -> bool:
