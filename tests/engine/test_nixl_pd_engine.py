@@ -84,7 +84,8 @@ def reference(pd_model, tmp_path_factory) -> list[list[int]]:
 def _check(reference: list[list[int]], prefill: dict, decode: dict) -> None:
     full_blocks = sum(len(p) // BLOCK_SIZE for p in _prompts())
     node.check_disaggregated(reference, prefill, decode, MAX_TOKENS,
-                             full_blocks * BLOCK_KV_BYTES)
+                             full_blocks * BLOCK_KV_BYTES,
+                             min_loaded_tokens=node.full_block_tokens(_prompts(), BLOCK_SIZE))
 
 
 def _check_same_host(decode: dict, workdir: Path) -> None:

@@ -94,7 +94,8 @@ def _check(node, reference: list[list[int]], prefill: dict, decode: dict,
     # where the KV moves over the same-host path (nixl_bytes False), the path's own counters.
     node.check_disaggregated(reference, prefill, decode, MAX_TOKENS,
                              full_blocks * _block_kv_bytes(model) if nixl_bytes else 0,
-                             nixl_metrics_complete=False)
+                             nixl_metrics_complete=False,
+                             min_loaded_tokens=node.full_block_tokens(_prompts(), BLOCK_SIZE))
 
 
 def _check_same_host(node, decode: dict, model: Path, workdir: Path) -> None:

@@ -26,7 +26,6 @@ from vllm.config import (
 )
 from vllm.v1.kv_cache_compat import get_kv_cache_configs, set_kv_cache_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from vllm.v1.kv_vmm import ledger as ledger_module
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
 from vllm.v1.kv_vmm.pages import (
@@ -56,10 +55,10 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(ledger_module, "LEDGER_DIR", str(tmp_path))
-    return tmp_path
+@pytest.fixture
+def ledger_dir(ledger_base):
+    # Ledgers of this test only (conftest.py's directory).
+    return ledger_base
 
 
 def rank_configs(tmp_path, shape: str) -> list[KVCacheConfig]:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
-from vllm.v1.kv_vmm import ledger as ledger_module
 from vllm.v1.kv_vmm import scheduler as scheduler_module
 from vllm.v1.kv_vmm import worker as worker_module
 from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError
@@ -36,11 +35,10 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(autouse=True)
-def ledger_dir(tmp_path, monkeypatch):
-    # Page reports and ledgers of this test only.
-    monkeypatch.setattr(ledger_module, "LEDGER_DIR", str(tmp_path))
-    return tmp_path
+@pytest.fixture
+def ledger_dir(ledger_base):
+    # Page reports and ledgers of this test only (conftest.py's directory).
+    return ledger_base
 
 
 def make_policy(
@@ -54,7 +52,7 @@ def make_policy(
         headroom_pages=headroom,
         shrink="idle",
         shrink_delay_s=0.0,
-        page_bytes=1 << 20,
+        device_page_bytes=1 << 20,
         ahead_blocks=ahead_blocks,
         page_status_path=status.path,
         num_ranks=num_ranks,

@@ -15,10 +15,12 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.cuda_copy import (
     PIECE_BYTES,
     RunCopier,
+    kernel_pieces,
     split_runs,
 )
 
@@ -99,6 +101,56 @@ def test_kernel_copies_every_run_and_nothing_else():
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    if done.stdout.startswith("SKIP "):
-        pytest.skip(done.stdout[5:].strip())
+    # The child's own lines (vLLM may log before them).
+    skips = [ln for ln in done.stdout.splitlines() if ln.startswith("SKIP ")]
+    if skips:
+        pytest.skip(skips[0][5:].strip())
     assert "copied 6 pieces" in done.stdout
+
+
+def test_kernel_pieces_of_short_runs_need_no_cut():
+    """Runs no longer than a piece (a prompt's blocks) are the kernel's rows
+    as they are, in words from the base."""
+    runs = np.array([[4096, 8192, 32], [1024, 2048, PIECE_BYTES]], dtype=np.uint64)
+    pieces = kernel_pieces(runs, 1024)
+    assert pieces.tolist() == [[384, 896, 4], [0, 128, PIECE_BYTES // 8]]
+    long = np.array([[1024, 2048, PIECE_BYTES + 16]], dtype=np.uint64)
+    assert len(kernel_pieces(long, 1024)) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_queued_launches_keep_their_own_pieces():
+    """Reads queued on one stream, more than the copier has upload buffers
+    and of growing and shrinking sizes, each copy exactly their runs (a
+    buffer reused before its upload ran would copy another read's runs)."""
+    device = torch.device("cuda:0")
+    copier = RunCopier(device)
+    stream = torch.cuda.Stream(device)
+    block = 256
+    src = torch.arange(1 << 20, dtype=torch.int64, device=device)
+    nblocks = src.numel() * 8 // block
+    rng = np.random.default_rng(0)
+    reads = []
+    with torch.cuda.stream(stream):
+        # Work ahead of the reads, so they queue behind it.
+        torch.cuda._sleep(10_000_000)
+        for k in (3, 2000, 5, 3000, 7, 1, 4000, 9, 2500):
+            ids = rng.choice(nblocks, k, replace=False)
+            dst = torch.full_like(src, -1)
+            runs = np.stack(
+                [
+                    dst.data_ptr() + ids * block,
+                    src.data_ptr() + ids * block,
+                    np.full(k, block),
+                ],
+                axis=1,
+            ).astype(np.uint64)
+            copier.launch(runs, stream.cuda_stream)
+            reads.append((ids, dst))
+    stream.synchronize()
+    words = block // 8
+    for ids, dst in reads:
+        want = torch.full_like(src, -1).view(-1, words)
+        index = torch.from_numpy(ids).to(device)
+        want[index] = src.view(-1, words)[index]
+        assert torch.equal(dst.view(-1, words), want)

@@ -17,6 +17,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     make_table,
     nixl_side,
     requires_nixl,
+    run_read,
     ucx_over_loopback,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
@@ -72,6 +73,54 @@ def test_registrations_follow_segments():
         assert registry.unregistered(rows).tolist() == rows[2:].tolist()
     finally:
         _close(side)
+
+
+@requires_nixl
+def test_a_page_remapped_at_its_address_is_registered_again():
+    """A page unmapped and mapped again comes back at the same virtual address
+    but on new physical memory. An RDMA registration of the old memory would
+    not follow it (NIXL issue 1126: reads after an unmap/remap at the same
+    address fail unless registered again), so the registry drops the chunk's
+    registration before the unmap and registers the new chunk after the map,
+    and a reader of the owner's new bytes gets them through NIXL."""
+    block = 2 << 20  # one block per page
+    p_side = nixl_side("prefill3", block_bytes=block, num_blocks=2)
+    d_side = nixl_side("decode3", block_bytes=block, num_blocks=2)
+    try:
+        _, p_table, p_agent, p_registry, _ = p_side
+        _, d_table, _, _, d_xfer = d_side
+        p_table.map_pages([0])
+        d_table.map_pages([0])
+        first = list(p_registry.registered_ranges)
+        generation = p_registry.generation
+        remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+
+        def descs(table):
+            return [(table.tensors[0].data_ptr(), block, 0)]
+
+        local = d_xfer.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", d_xfer.get_xfer_descs(descs(d_table), "DRAM")
+        )
+        for value in (3, 9):
+            if value == 9:
+                p_table.unmap_pages([0])
+                assert p_registry.registered_ranges == []
+                p_table.map_pages([0])
+                # Same address, registered anew (two generations later).
+                assert p_registry.registered_ranges == first
+                assert p_registry.generation == generation + 2
+                # The reader loads the owner's refreshed metadata, as
+                # NixlConnector does on a newer registration epoch.
+                d_xfer.remove_remote_agent(remote)
+                remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+            block_view(p_table, 0, block).fill_(value)
+            remote_descs = d_xfer.prep_xfer_dlist(
+                remote, d_xfer.get_xfer_descs(descs(p_table), "DRAM")
+            )
+            assert run_read(d_xfer, local, [0], remote_descs, [0]) == "DONE"
+            assert torch.all(block_view(d_table, 0, block) == value)
+    finally:
+        _close(d_side, p_side)
 
 
 class _HeldCompletion:

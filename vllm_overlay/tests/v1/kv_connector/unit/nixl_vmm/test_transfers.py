@@ -22,6 +22,10 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     rows,
     wait_until,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
+    CopyJob,
+    HostCopier,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
     same_host_stats,
 )
@@ -75,6 +79,54 @@ def test_asynchronous_copies_complete_when_polled_and_hold_their_chunks(producer
     finally:
         copier.gate.set()
         reads.close()
+
+
+class _DoneJob(CopyJob):
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class SyncCopier(HostCopier):
+    """Host copies done before submit() returns (a device that was quick)."""
+
+    def submit(self, runs):
+        self.copy(runs)
+        return _DoneJob()
+
+
+def test_a_read_done_when_posted_is_notified_and_counted_once(producer):
+    """Copies over before post() returns: the caller is told DONE and may
+    never poll, so the producer's notification and the read's count must not
+    wait for a poll (NIXL notifies with the transfer itself)."""
+    table = producer.table
+    table.map_pages([0])
+    fill(table, 2, 5)
+    reader = Reader(SyncCopier())
+    try:
+        _read_done_at_post(producer, reader)
+    finally:
+        reader.close()
+
+
+def _read_done_at_post(producer, reader):
+    assert reader.offer(producer.name, producer.secret)
+    wait_until(lambda: reader.importer(producer.name).num_mapped == 1)
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+    local, remote = rows(dst.ctypes.data, [0]), rows(producer.base, [2])
+    notifs = Notifs()
+    before = same_host_stats()
+    xfer = reader.make_read(producer.name, local, remote, b"d", notifs)
+    assert xfer.post() == "DONE"
+    assert notifs == [(producer.name, b"d")] and (dst == 5).all()
+    assert same_host_stats()["reads"] == before["reads"] + 1
+    # Polled anyway: nothing is sent or counted twice.
+    assert xfer.check() == "DONE"
+    assert notifs == [(producer.name, b"d")]
+    assert same_host_stats()["reads"] == before["reads"] + 1
+    xfer.release()
 
 
 def test_reads_that_leave_the_path_are_counted_by_reason(producer, reader):

@@ -13,6 +13,9 @@ the SMs instead: the runs go to the device as one small array, and each
 program copies one piece of a run.
 """
 
+import threading
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -24,6 +27,8 @@ PIECE_BYTES = 64 << 10
 # What every address and length must be a multiple of (16-byte accesses).
 ALIGNMENT = 16
 _WORDS_PER_ITER = 512  # int64 words each program moves per loop iteration
+# Upload buffers per stream, used in turn (see RunCopier._uploads_for).
+_UPLOAD_SLOTS = 4
 
 
 class CopyKernelUnavailable(RuntimeError):
@@ -74,9 +79,25 @@ def split_runs(runs: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
 def kernel_pieces(runs: np.ndarray, base_addr: int) -> np.ndarray:
     """The kernel's ``(dst, src, nwords)`` rows for ``runs``: pieces of at
     most :data:`PIECE_BYTES`, addresses as int64 words from ``base_addr``."""
-    pieces = split_runs(runs).astype(np.int64)
+    runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
+    if len(runs) and int(runs[:, 2].max()) > PIECE_BYTES:
+        runs = split_runs(runs)
+    pieces = runs.astype(np.int64)
     pieces[:, :2] -= base_addr
-    return pieces // 8
+    pieces //= 8
+    return pieces
+
+
+@dataclass
+class _Uploads:
+    """Where one stream's launches put their pieces: a pinned host buffer
+    and a device buffer, reused (allocating and pinning host memory for
+    each read cost more than the copies of a whole prompt), and the event
+    after the last upload out of the host buffer."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+    uploaded: torch.cuda.Event
 
 
 class RunCopier:
@@ -87,6 +108,9 @@ class RunCopier:
         if not HAS_TRITON:
             raise CopyKernelUnavailable("Triton is not available")
         self.device = device
+        self._uploads: dict[int, list[_Uploads]] = {}
+        self._turns: dict[int, int] = {}
+        self._lock = threading.Lock()
         self._base = torch.zeros(4, dtype=torch.int64, device=device)
         self._base_addr = self._base.data_ptr()
         if self._base_addr % ALIGNMENT:
@@ -103,16 +127,45 @@ class RunCopier:
         """Enqueue the copies of ``runs`` (:meth:`accepts` them) on the CUDA
         stream ``stream`` (a handle) of our device."""
         pieces = kernel_pieces(runs, self._base_addr)
-        if not len(pieces):
+        n = len(pieces)
+        if not n:
             return
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
-            # Pinned and asynchronous: the host buffer is kept until the copy
-            # ran, the device one is reused in the stream's order.
-            host = torch.from_numpy(pieces).pin_memory()
-            dev = host.to(self.device, non_blocking=True)
-            _copy_runs_kernel[(len(pieces),)](
-                self._base, dev, WORDS_PER_ITER=_WORDS_PER_ITER
+        with (
+            self._lock,
+            torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)),
+        ):
+            uploads = self._uploads_for(stream, n)
+            np.copyto(uploads.host[:n].numpy(), pieces)
+            # Asynchronous out of pinned memory; the device buffer is reused
+            # in the stream's order, the host one once this upload is over.
+            uploads.device[:n].copy_(uploads.host[:n], non_blocking=True)
+            uploads.uploaded.record()
+            _copy_runs_kernel[(n,)](
+                self._base, uploads.device, WORDS_PER_ITER=_WORDS_PER_ITER
             )
+
+    def _uploads_for(self, stream: int, n: int) -> _Uploads:
+        """Buffers of ``stream`` for ``n`` pieces, their host buffer free to
+        write. Each stream has :data:`_UPLOAD_SLOTS` of them in turn, so a
+        launch waits for an upload only with that many reads queued."""
+        slots = self._uploads.setdefault(stream, [])
+        turn = self._turns.get(stream, 0)
+        self._turns[stream] = (turn + 1) % _UPLOAD_SLOTS
+        if turn < len(slots):
+            slots[turn].uploaded.synchronize()
+            if len(slots[turn].host) >= n:
+                return slots[turn]
+        rows = max(1024, 1 << (n - 1).bit_length())
+        uploads = _Uploads(
+            host=torch.empty((rows, 3), dtype=torch.int64, pin_memory=True),
+            device=torch.empty((rows, 3), dtype=torch.int64, device=self.device),
+            uploaded=torch.cuda.Event(),
+        )
+        if turn < len(slots):
+            slots[turn] = uploads
+        else:
+            slots.append(uploads)
+        return uploads
 
     def warm_up(self, stream: int) -> None:
         """Compile the kernel now (the engine is starting) with a copy inside
