@@ -441,6 +441,37 @@ def export_variants(release, overlay: set[str]) -> dict[str, str]:
     return found
 
 
+# An exported patch a reviewer can take adds at most about this many lines (tests and docs
+# counted). One that adds more says why in the notes of patches/vX/series:
+#   # Over 1,500 lines: vmm-elastic-kv-cache.patch: <why>
+#   #   <the reason may go on, on lines indented under it>
+SIZE_LIMIT = 1500
+OVER_LIMIT = re.compile(r"^#\s*Over 1,500 lines: (?P<patch>[\w.+-]+\.patch):\s*(?P<why>.*)$")
+
+
+def size_reasons(release) -> dict[str, str]:
+    """{patch name: why it may add more than SIZE_LIMIT lines} from the series' notes."""
+    header, _ = read_series(release)
+    found: dict[str, str] = {}
+    current = None
+    for line in header:
+        m = OVER_LIMIT.match(line.strip())
+        if m:
+            current = m["patch"]
+            found[current] = m["why"].strip()
+        elif current and line.startswith("#   ") and line[4:].strip():
+            found[current] += " " + line[4:].strip()
+        else:
+            current = None
+    return found
+
+
+def added_lines(patch: Path) -> int:
+    """Lines a `git format-patch` file adds."""
+    body = patch.read_text().split("\n---\n", 1)[-1]
+    return sum(1 for ln in body.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+
+
 def patch_references(tree: Path, commit: str, modules: dict[str, str],
                      paths: set[str]) -> set[str]:
     """Overlay files that the code of the files a topic commit changes uses, as they are
@@ -619,6 +650,15 @@ def export(release, out: Path, draft: bool = False,
         if rel in placed.at:
             print(f"exported as patches/{release.tag}/{EXPORT_VARIANTS}/{rel}: {rel} "
                   f"(the overlay's file serves every release)")
+    reasons = size_reasons(release)
+    _, series_names = read_series(release)
+    for patch, topic in zip(patches, series_names):
+        n = added_lines(patch)
+        if n > SIZE_LIMIT:
+            why = reasons.get(topic)
+            print(f"size: {patch.name} adds {n} lines, over ~{SIZE_LIMIT:,}: "
+                  + (why if why else f"no reason given (a note `# Over 1,500 lines: {topic}: "
+                     f"<why>` in patches/{release.tag}/series)"))
     for patch, notes in zip(patches, stripped):
         for note in notes:
             lines = note.split("\n")
