@@ -132,10 +132,9 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     # Given back: no further step is needed.
     assert not scheduler.has_requests()
     assert scheduler.kv_page_step_due_in() is None
-    stats = scheduler.make_stats()
-    assert stats is not None and stats.kv_page_stats is not None
-    assert stats.kv_page_stats.mapped_pages == 2
-    assert stats.kv_page_stats.pages_unmapped_total == len(mapped) - 2
+    page_stats = pool.make_page_stats()
+    assert page_stats.mapped_pages == 2
+    assert page_stats.pages_unmapped_total == len(mapped) - 2
 
 
 def test_idle_scheduler_says_when_the_shrink_step_is_due(model_dir, monkeypatch):
