@@ -342,8 +342,8 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         if not is_test_file(rel):
             continue
         needs = {d for d in closure(rel) if not is_test_side(d)}
-        if needs and needs <= set(placed.dropped):
-            placed.dropped[rel] = "tests only files this release does not carry"
+        if needs & set(placed.dropped):  # it cannot run without them
+            placed.dropped[rel] = "needs files this release does not carry"
             continue
         if not needs - set(placed.dropped) and rel not in first_ref:
             orphans.append(rel)

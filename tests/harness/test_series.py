@@ -753,3 +753,20 @@ def test_release_variants_keep_the_interface_and_probe_nothing():
                                                "ModuleNotFoundError"):
                 probes.append(f"line {node.lineno}: except {ast.unparse(node.type)}")
         assert not probes, f"{variant}: {probes}"
+
+
+def test_export_leaves_out_a_test_that_needs_a_topic_the_release_does_not_carry(project: Project):
+    # The test needs a shared module a patch uses and a package no patch uses (a compat
+    # helper and VMM KV on 0.18.1): without the package it cannot run, so it is left out.
+    _overlay(project, {
+        "vllm/shared.py": "S = 1\n",
+        "vllm/newpkg/__init__.py": "X = 1\n",
+        "tests/newpkg/__init__.py": "",
+        "tests/newpkg/test_both.py": "from vllm.newpkg import X\nfrom vllm.shared import S\n",
+    })
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    from vllm.shared import S  # noqa: F401\n", "[Core] A")
+    proc, files = _export(project)
+    assert _files_in(files[0]) == ["vllm/core.py", "vllm/shared.py"], proc.stdout
+    assert "not exported: tests/newpkg/test_both.py (needs files this release does not " \
+           "carry)" in proc.stdout
