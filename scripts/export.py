@@ -503,6 +503,9 @@ PROJECT_NOTES = [
      "`Checked on vX.Y.Z: file:line` (where the defect was read in one release)"),
 ]
 TRAILER = re.compile(r"^[A-Za-z][\w-]*: \S")
+# What ends a note before its paragraph does: a trailer git itself would take (Signed-off-by,
+# Co-authored-by, Fixes, ...), not a sentence that starts with a name and a colon.
+NOTE_END = re.compile(r"^(?:[A-Za-z]+(?:-[A-Za-z]+)+|Fixes|Link|Closes|Cc): \S")
 SIGNOFF_ANY = re.compile(r"^Signed-off-by:", re.I)
 SUBJECT_MAX = 72
 # vLLM's commit subjects start with one or more tags naming the area: [Core], [KV Connector],
@@ -526,7 +529,7 @@ def strip_project_notes(message: str) -> tuple[str, list[str]]:
             notes.append(note)
             continue
         if note is not None:
-            if line.strip() and not TRAILER.match(line):
+            if line.strip() and not NOTE_END.match(line):
                 note.append(line)
                 continue
             note = None
