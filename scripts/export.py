@@ -36,7 +36,7 @@ from buildtree import (  # noqa: E402
 )
 from seriestool import (  # noqa: E402
     HARNESS_IDENT, ROOT, SeriesError, build_dir, format_patch_args, get_release, git, git_out,
-    main_guard, overlay_digest, overlay_files, read_state, run,
+    main_guard, overlay_digest, overlay_files, read_series, read_state, run,
 )
 
 SIGNOFF_RE = re.compile(r"^Signed-off-by: (?P<name>[^<>\n]*\S) <(?P<email>[^<>\s@]+@[^<>\s]+)>$")
@@ -256,7 +256,10 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
       last overlay module it imports arrives;
     - a test file (tests/**/test_*.py) goes with the module it tests: into the patch where the
       last overlay file it needs (its imports, its conftest.py/__init__.py, through support
-      modules such as utils.py) arrives, or earlier where a patch's code names it;
+      modules such as utils.py) arrives; a test that a patch names (a CI step that runs it)
+      goes into that patch instead, and brings the modules it imports if they have not
+      arrived yet (a library patch is its modules and the CI step of their tests; a later
+      patch names the tests of what it adds to earlier modules);
     - other files under tests/ (conftest.py, utils.py, __init__.py) go with the first test
       that needs them;
     - unused: a compat module (compat.py, _compat.py, compat/) is dropped (the release needs
@@ -282,8 +285,26 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         for rel in refs:
             first_ref.setdefault(rel, i)
 
+    def closure(rel: str) -> set[str]:
+        seen, todo = set(), [rel]
+        while todo:
+            for dep in deps[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    if is_test_side(dep) and not is_test_file(dep):
+                        todo.append(dep)
+        return seen
+
     # Files outside tests/: the first patch that uses them, directly or through each other.
     at = {rel: i for rel, i in first_ref.items() if not is_test_side(rel)}
+    # A test a patch names (a CI step that runs it) is that patch's test: the modules it
+    # imports are used by that patch too (a library patch is its modules and the CI step of
+    # their tests).
+    for rel, i in first_ref.items():
+        if is_test_file(rel):
+            for dep in closure(rel):
+                if not is_test_side(dep) and at.get(dep, len(patch_refs)) > i:
+                    at[dep] = i
     changed = True
     while changed:
         changed = False
@@ -313,24 +334,16 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         else:
             orphans.append(rel)
 
-    # Test files: where the last file they need arrives (earlier if a patch names them).
-    def closure(rel: str) -> set[str]:
-        seen, todo = set(), [rel]
-        while todo:
-            for dep in deps[todo.pop()]:
-                if dep not in seen:
-                    seen.add(dep)
-                    if is_test_side(dep) and not is_test_file(dep):
-                        todo.append(dep)
-        return seen
-
+    # Test files: where the last file they need arrives, or in the patch that names them
+    # (the feature they test arrives there: a later patch's CI step names the tests of what
+    # it adds to earlier modules).
     tests_at: dict[str, int] = {}
     for rel in sorted(files):
         if not is_test_file(rel):
             continue
         needs = {d for d in closure(rel) if not is_test_side(d)}
-        if needs and needs <= set(placed.dropped):
-            placed.dropped[rel] = "tests only files this release does not carry"
+        if needs & set(placed.dropped):  # it cannot run without them
+            placed.dropped[rel] = "needs files this release does not carry"
             continue
         if not needs - set(placed.dropped) and rel not in first_ref:
             orphans.append(rel)
@@ -338,7 +351,7 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         i = max((at[d] for d in needs if d in at), default=first_ref.get(rel, 0))
         if needs - set(at) - set(placed.dropped):
             continue  # needs an unused file: reported with it
-        tests_at[rel] = min(i, first_ref.get(rel, i))
+        tests_at[rel] = first_ref.get(rel, i)
     # Support files under tests/: with the first test that needs them.
     for rel in sorted(files):
         if not is_test_side(rel) or is_test_file(rel):
@@ -366,6 +379,97 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         )
     placed.at = {rel: i for rel, i in at.items() if rel not in placed.dropped}
     return placed
+
+
+# A note of patches/vX/series that gives overlay tests to a patch:
+#   # Tests of vmm-runtime-page-limit.patch: tests/v1/kv_vmm/test_page_limit.py
+# (paths separated by spaces or commas, on one line). The patch is their patch as if a CI
+# step of it named them: the feature they test arrives there, even when the modules they
+# import arrived earlier.
+TESTS_OF = re.compile(r"^#\s*Tests of (?P<patch>[\w.+-]+\.patch):\s*(?P<files>\S.*)$")
+
+
+def tests_named_in_series(release, overlay: set[str]) -> dict[int, set[str]]:
+    """{index of the patch in the series: overlay test files the series' notes give it}."""
+    header, names = read_series(release)
+    found: dict[int, set[str]] = {}
+    bad = []
+    for line in header:
+        m = TESTS_OF.match(line.strip())
+        if not m:
+            continue
+        files = [f for f in re.split(r"[\s,]+", m["files"]) if f]
+        if m["patch"] not in names:
+            bad.append(f"{line.strip()!r}: {m['patch']} is not in the series")
+            continue
+        for f in files:
+            if f not in overlay or not is_test_file(f):
+                bad.append(f"{line.strip()!r}: {f} is not a test file of vllm_overlay/")
+        found.setdefault(names.index(m["patch"]), set()).update(
+            f for f in files if f in overlay and is_test_file(f))
+    if bad:
+        raise SeriesError(
+            f"patches/{release.tag}/series gives tests to patches it cannot:\n  "
+            + "\n  ".join(bad),
+            "Name a patch of the series and test files of vllm_overlay/ (tests/**/test_*.py).",
+        )
+    return found
+
+
+# Overlay files the export of one release sends in another form: patches/vX/export/<path>
+# replaces vllm_overlay/<path> in every exported patch that has it. The overlay's compat
+# module probes releases (getattr, hasattr, ImportError) because one file serves every
+# release; what goes upstream for the newest release is that release's behaviour alone.
+EXPORT_VARIANTS = "export"
+
+
+def export_variants(release, overlay: set[str]) -> dict[str, str]:
+    """{overlay path: text the export sends instead} from patches/vX/export/."""
+    root = release.series_dir / EXPORT_VARIANTS
+    if not root.is_dir():
+        return {}
+    found = {str(f.relative_to(root).as_posix()): f.read_text()
+             for f in sorted(root.rglob("*")) if f.is_file() and "__pycache__" not in f.parts}
+    stray = sorted(rel for rel in found if rel not in overlay)
+    if stray:
+        raise SeriesError(
+            f"patches/{release.tag}/{EXPORT_VARIANTS}/ has files that replace no file of "
+            "vllm_overlay/:\n  " + "\n  ".join(stray),
+            f"Name them as the overlay file they replace (patches/{release.tag}/"
+            f"{EXPORT_VARIANTS}/vllm/v1/kv_cache_compat.py), or delete them.",
+        )
+    return found
+
+
+# An exported patch a reviewer can take adds at most about this many lines (tests and docs
+# counted). One that adds more says why in the notes of patches/vX/series:
+#   # Over 1,500 lines: vmm-elastic-kv-cache.patch: <why>
+#   #   <the reason may go on, on lines indented under it>
+SIZE_LIMIT = 1500
+OVER_LIMIT = re.compile(r"^#\s*Over 1,500 lines: (?P<patch>[\w.+-]+\.patch):\s*(?P<why>.*)$")
+
+
+def size_reasons(release) -> dict[str, str]:
+    """{patch name: why it may add more than SIZE_LIMIT lines} from the series' notes."""
+    header, _ = read_series(release)
+    found: dict[str, str] = {}
+    current = None
+    for line in header:
+        m = OVER_LIMIT.match(line.strip())
+        if m:
+            current = m["patch"]
+            found[current] = m["why"].strip()
+        elif current and line.startswith("#   ") and line[4:].strip():
+            found[current] += " " + line[4:].strip()
+        else:
+            current = None
+    return found
+
+
+def added_lines(patch: Path) -> int:
+    """Lines a `git format-patch` file adds."""
+    body = patch.read_text().split("\n---\n", 1)[-1]
+    return sum(1 for ln in body.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
 
 
 def patch_references(tree: Path, commit: str, modules: dict[str, str],
@@ -399,6 +503,9 @@ PROJECT_NOTES = [
      "`Checked on vX.Y.Z: file:line` (where the defect was read in one release)"),
 ]
 TRAILER = re.compile(r"^[A-Za-z][\w-]*: \S")
+# What ends a note before its paragraph does: a trailer git itself would take (Signed-off-by,
+# Co-authored-by, Fixes, ...), not a sentence that starts with a name and a colon.
+NOTE_END = re.compile(r"^(?:[A-Za-z]+(?:-[A-Za-z]+)+|Fixes|Link|Closes|Cc): \S")
 SIGNOFF_ANY = re.compile(r"^Signed-off-by:", re.I)
 SUBJECT_MAX = 72
 # vLLM's commit subjects start with one or more tags naming the area: [Core], [KV Connector],
@@ -422,7 +529,7 @@ def strip_project_notes(message: str) -> tuple[str, list[str]]:
             notes.append(note)
             continue
         if note is not None:
-            if line.strip() and not TRAILER.match(line):
+            if line.strip() and not NOTE_END.match(line):
                 note.append(line)
                 continue
             note = None
@@ -521,8 +628,12 @@ def export(release, out: Path, draft: bool = False,
              for rel in overlay_files()}
     modules = {m: rel for rel in files if (m := module_of(rel))}
     refs = [patch_references(tree, c, modules, set(files)) for c in topics]
+    for i, tests in tests_named_in_series(release, set(files)).items():
+        refs[i] |= tests
     placed = place_overlay(files, refs)
-    exported, stripped = build_commits(tree, release.tag, topics, placed, name, email)
+    variants = export_variants(release, set(files))
+    exported, stripped = build_commits(tree, release.tag, topics, placed, name, email,
+                                       variants)
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -531,13 +642,26 @@ def export(release, out: Path, draft: bool = False,
     patches = sorted(out.glob("*.patch"))
     if verify:
         check_round_trip(tree, release, patches, exported=exported,
-                         dropped=sorted(placed.dropped))
+                         dropped=sorted(placed.dropped), variants=variants)
     for i, name_ in enumerate(names):
         added = placed.files_of(i)
         if added:
             print(f"{name_}: with {len(added)} overlay files: {', '.join(added)}")
     for rel, why in sorted(placed.dropped.items()):
         print(f"not exported: {rel} ({why})")
+    for rel in sorted(variants):
+        if rel in placed.at:
+            print(f"exported as patches/{release.tag}/{EXPORT_VARIANTS}/{rel}: {rel} "
+                  f"(the overlay's file serves every release)")
+    reasons = size_reasons(release)
+    _, series_names = read_series(release)
+    for patch, topic in zip(patches, series_names):
+        n = added_lines(patch)
+        if n > SIZE_LIMIT:
+            why = reasons.get(topic)
+            print(f"size: {patch.name} adds {n} lines, over ~{SIZE_LIMIT:,}: "
+                  + (why if why else f"no reason given (a note `# Over 1,500 lines: {topic}: "
+                     f"<why>` in patches/{release.tag}/series)"))
     for patch, notes in zip(patches, stripped):
         for note in notes:
             lines = note.split("\n")
@@ -550,7 +674,8 @@ def export(release, out: Path, draft: bool = False,
 
 
 def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, name: str,
-                  email: str) -> tuple[list[str], list[list[str]]]:
+                  email: str, variants: dict[str, str] | None = None,
+                  ) -> tuple[list[str], list[list[str]]]:
     """One commit per topic on the pristine tag: the topic's tree less the overlay files of
     later topics (and the dropped ones), your identity, the message as `export_message` makes
     it. Returns the commits and, per commit, the project-only notes stripped."""
@@ -565,6 +690,13 @@ def build_commits(tree: Path, base: str, topics: list[str], placed: Placement, n
             later = [f for f, at in placed.at.items() if at > i] + list(placed.dropped)
             if later:
                 git(tree, "update-index", "--force-remove", "--", *sorted(later), env=env)
+            for rel, text in sorted((variants or {}).items()):
+                if placed.at.get(rel, len(topics)) <= i:
+                    variant = Path(tmp) / "variant"
+                    variant.write_text(text)
+                    blob = git_out(tree, "hash-object", "-w", str(variant))
+                    git(tree, "update-index", "--add", "--cacheinfo",
+                        f"100644,{blob},{rel}", env=env)
             new_tree = git_out_env(tree, env, "write-tree")
             msg = Path(tmp) / "msg"
             text, notes = export_message(git_out(tree, "log", "-1", "--format=%B", commit),
@@ -582,7 +714,8 @@ def git_out_env(tree: Path, env: dict, *args: str, dated: bool = True) -> str:
 
 
 def check_round_trip(tree: Path, release, files: list[Path], exported: list[str] | None = None,
-                     dropped: list[str] | None = None) -> None:
+                     dropped: list[str] | None = None,
+                     variants: dict[str, str] | None = None) -> None:
     """`git am` of `files` onto pristine vX must reproduce the patched tree byte for byte,
     less the `dropped` overlay files; with `exported`, each patch must also give exactly the
     tree of the commit it was made from.
@@ -600,11 +733,15 @@ def check_round_trip(tree: Path, release, files: list[Path], exported: list[str]
                 "Re-make the commit that fails so it applies as sent (a file with CRLF line ends, "
                 "for example, loses its CRs in `git am`), `make refresh`, then export again.",
             )
-        excluded = [f":(exclude){p}" for p in dropped or []]
+        excluded = [f":(exclude){p}" for p in [*(dropped or []), *(variants or {})]]
         diff = git_out(wt, "diff", "--stat", "HEAD", git_out(tree, "rev-parse", "HEAD"),
                        "--", ".", *excluded)
         missing = [p for p in dropped or []
                    if git(wt, "cat-file", "-e", f"HEAD:{p}", check=False).returncode == 0]
+        for rel, text in sorted((variants or {}).items()):
+            sent = git(wt, "show", f"HEAD:{rel}", check=False)
+            if sent.returncode == 0 and sent.stdout != text:
+                diff += f"\n {rel} (not patches/{release.tag}/{EXPORT_VARIANTS}/{rel})"
         if diff or missing:
             raise SeriesError(
                 f"`git am` of the exported patches onto pristine {release.tag} does not "

@@ -27,10 +27,14 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  end-to-end TTFT through a prefill and a decode server (bench_pd.py)
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
   7 sharing      N engines on one device behind their own OpenAI servers, peaks at
-                 different times (scripts/bench/bench_sharing.py): TTFT mean and p99 and tokens/s
-                 with a static split of the device (stock) vs VMM KV shared through the
-                 device ledger, and kvcached on the same vLLM where it is installed
-                 (--stock-path: a stock vLLM for the static and kvcached runs)
+                 different times (scripts/bench/bench_sharing.py): today's peaks and
+                 over-subscribed ones (--sharing-workloads: the peaks together need 1.5x
+                 and 3x the device's KV capacity), per engine TTFT mean and p99, tokens/s,
+                 failed requests and preemptions; static split of the device (stock), VMM
+                 KV shared through the device ledger first come first served and fairly,
+                 and kvcached on the same vLLM where it is installed (else recorded as not
+                 installed); the modes interleaved per repetition (--stock-path: a stock
+                 vLLM for the static and kvcached runs)
 
 Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
 
@@ -68,8 +72,9 @@ ROOT = BENCH.parents[1]
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 from bench_items import (  # noqa: E402
-    Budget, Runner, item_elasticity, item_engine_ab, item_pagemap, item_pd, item_sharing,
-    item_tp2_startup, sharing_modes,
+    SHARING_WORKLOADS, Budget, Runner, check_sharing, item_elasticity, item_engine_ab,
+    item_pagemap, item_pd, item_sharing, item_tp2_startup, kvcached_server_env, parse_bytes,
+    sharing_modes,
 )
 from bench_proc import exit_on_signals  # noqa: E402
 from bench_report import merge_item, render_results  # noqa: E402
@@ -130,7 +135,7 @@ PROFILES: dict[str, dict] = {
                                "distributed_executor_backend": "uni"}},
         "pagemap": {"backend": "host", "pages": 16, "repeats": 3, "invocations": 1},
         "est_child_s": 30, "est_serve_s": 40, "est_transfer_s": 20, "warmup": False,
-        "sharing": {"model": "tiny-llama", "engines": 2, "repeats": 1, "timeout_s": 900},
+        "sharing": {"model": "tiny-llama", "engines": 2, "repeats": 1, "timeout_s": 1500},
     },
 }
 
@@ -161,6 +166,30 @@ def parse_items(text: str) -> list[str]:
                              f"{', '.join(ITEMS)}")
         chosen.append(name)
     return chosen
+
+
+def sharing_arguments(args: argparse.Namespace, device: str, env: dict) -> dict:
+    """Item 7's options from the command line, checked: bad ones stop the run before anything
+    runs, and so does kvcached named in --sharing-modes where the servers cannot import it."""
+    from bench_sharing import kvcached_missing, parse_weights, parse_workloads
+
+    modes = sharing_modes(args.sharing_modes, device)
+    workloads = args.sharing_workloads or SHARING_WORKLOADS
+    capacity = parse_bytes(args.sharing_kv_capacity) if args.sharing_kv_capacity else None
+    check_sharing(modes, parse_workloads(workloads), capacity)
+    if args.sharing_repeats is not None and args.sharing_repeats < 1:
+        raise SystemExit(f"--sharing-repeats {args.sharing_repeats}: give 1 or more")
+    engines = PROFILES["cuda" if device == "cuda" else "cpu"]["sharing"]["engines"]
+    if args.quick and device == "cuda":
+        engines = PROFILES["cuda-quick"]["sharing"]["engines"]
+    parse_weights(args.sharing_weights, engines)
+    if args.sharing_modes is not None and "kvcached" in modes:
+        why = kvcached_missing(kvcached_server_env(env, args.stock_path, args.kvcached_env))
+        if why:
+            raise SystemExit(f"--sharing-modes names kvcached, but {why}; or leave it out of "
+                             "--sharing-modes")
+    return {"workloads": workloads, "repeats": args.sharing_repeats, "seed": args.sharing_seed,
+            "kv_capacity_bytes": capacity, "weights": args.sharing_weights}
 
 
 def main() -> None:
@@ -194,8 +223,24 @@ def main() -> None:
     p.add_argument("--kvcached-env", action="append", default=[], metavar="KEY=VALUE",
                    help="item 7: environment of the kvcached servers (repeatable)")
     p.add_argument("--sharing-modes", metavar="LIST",
-                   help="item 7: comma-separated modes, run in this order (default "
-                   "static,shared and, on CUDA, kvcached)")
+                   help="item 7: comma-separated modes, run in this order in the first "
+                   "repetition and reversed in the next (default static,first-come,fair and, "
+                   "on CUDA, kvcached where it is installed; named here, a missing kvcached "
+                   "stops the run); shared = the engine's default policy")
+    p.add_argument("--sharing-workloads", metavar="LIST",
+                   help=f"item 7: comma-separated workloads (default {SHARING_WORKLOADS}): "
+                   "peak (peaks in turn), over<R>[@<overlap>/...] (the peaks together need R "
+                   "x the device's KV capacity, consecutive peaks overlapping by the given "
+                   "fractions; default 0.75/0.25)")
+    p.add_argument("--sharing-repeats", type=int, metavar="N",
+                   help="item 7: repetitions per mode (default: 3; --quick and CPU: 1)")
+    p.add_argument("--sharing-seed", type=int, default=0,
+                   help="item 7: seed of the arrivals and prompts (default 0)")
+    p.add_argument("--sharing-kv-capacity", metavar="BYTES",
+                   help="item 7: the device's KV capacity that sizes the over-subscribed "
+                   "workloads, e.g. 20GiB (default: measured by the first mode's engines)")
+    p.add_argument("--sharing-weights", metavar="W0,W1,...",
+                   help="item 7: --kv-cache-vmm-share-weight of each shared engine")
     args = p.parse_args()
     exit_on_signals()  # SIGTERM: the running process is killed, the results written
     items = parse_items(args.items)
@@ -210,8 +255,9 @@ def main() -> None:
     device = args.device or ("cuda" if probe["gpus"] else "cpu")
     if device == "cuda" and not probe["gpus"]:
         raise SystemExit("--device cuda: no CUDA device visible")
-    if "sharing" in items:
-        sharing_modes(args.sharing_modes, device)  # a bad list stops before anything runs
+    sharing_options: dict = {}
+    if "sharing" in items:  # a bad option stops before anything runs
+        sharing_options = sharing_arguments(args, device, runner.env)
     prof = json.loads(json.dumps(PROFILES["cpu" if device == "cpu" else
                                           "cuda-quick" if args.quick else "cuda"]))
     if args.repeats:
@@ -276,7 +322,8 @@ def main() -> None:
                                                    args.serve_tp, budget))
         if "sharing" in engine_items:
             record("sharing", item_sharing(runner, prof, out, device, args.stock_path,
-                                           args.kvcached_env, args.sharing_modes))
+                                           args.kvcached_env, args.sharing_modes,
+                                           sharing_options))
     finally:
         # What was measured is written and shown also when an item stops the run.
         # Every item of this run shares `info`: the suite's wall time goes into each one's run.

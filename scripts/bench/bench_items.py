@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -375,16 +376,23 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
 
 
 SHARING_SCRIPT = BENCH / "bench_sharing.py"
-SHARING_STATS = ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "peaks_output_tok_s",
-                 "single_output_tok_s", "single_ttft_mean_ms")
+#: Item 7's modes: static split, VMM KV shared first come first served and fairly, kvcached
+#: (CUDA). "shared" (the engine's default policy, no policy flag) is for builds without one.
+SHARING_MODES = ("static", "first-come", "fair", "kvcached")
+SHARING_EXTRA_MODES = ("shared",)
+SHARING_WORKLOADS = "peak,over1.5,over3"
+#: Statistics of a workload, over all requests and per engine.
+SHARING_STATS = ("ttft_mean_ms", "ttft_p99_ms", "output_tok_s")
 
 
 def sharing_modes(text: str | None, device: str) -> list[str]:
-    """Item 7's modes in the order given (default: static, shared, and kvcached on CUDA)."""
+    """Item 7's modes in the order given (default: static, first-come, fair, and kvcached on
+    CUDA)."""
+    cuda = ("kvcached",) if device == "cuda" else ()
     if text is None:
-        return ["static", "shared"] + (["kvcached"] if device == "cuda" else [])
+        return [m for m in SHARING_MODES if m != "kvcached"] + list(cuda)
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    known = ("static", "shared") + (("kvcached",) if device == "cuda" else ())
+    known = tuple(m for m in SHARING_MODES if m != "kvcached") + SHARING_EXTRA_MODES + cuda
     bad = [m for m in modes if m not in known]
     if bad or not modes or len(set(modes)) != len(modes):
         raise SystemExit(f"--sharing-modes {text!r}: give each of {', '.join(known)} at "
@@ -392,35 +400,173 @@ def sharing_modes(text: str | None, device: str) -> list[str]:
     return modes
 
 
+def sharing_order(modes: list[str], rep: int) -> list[str]:
+    """The modes of one repetition: as given, then reversed, ... (drift hits each alike)."""
+    return list(modes) if rep % 2 == 0 else list(reversed(modes))
+
+
+def parse_bytes(text: str) -> int:
+    """``21474836480``, ``20GiB``, ``512MiB``, ``1.5TiB``: a size in bytes."""
+    units = {None: 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]iB)?\s*", text, re.IGNORECASE)
+    value = float(m[1]) * units[m[2] and m[2].lower()] if m else 0
+    if value < 1:
+        raise SystemExit(f"{text!r}: give a size in bytes, e.g. 21474836480 or 20GiB")
+    return int(value)
+
+
+def kvcached_server_env(env: dict, stock_path: str | None, kvcached_env: list[str]) -> dict:
+    """The environment item 7's kvcached servers get (bench_sharing.py --python-path, --env)."""
+    env = dict(env, **dict(kv.split("=", 1) for kv in kvcached_env if "=" in kv))
+    if stock_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [stock_path, env.get("PYTHONPATH")]))
+    return env
+
+
+def check_sharing(modes: list[str], workloads: list[dict], capacity: int | None) -> None:
+    """Stop before anything runs where the over-subscribed workloads would have no KV
+    capacity: the first mode measures it, and kvcached cannot."""
+    if capacity is None and modes[0] == "kvcached" and any(w["kind"] == "over"
+                                                          for w in workloads):
+        raise SystemExit("--sharing-modes: kvcached cannot measure the device's KV capacity "
+                         "that the over-subscribed workloads are sized by: put another mode "
+                         "first or give --sharing-kv-capacity")
+
+
+def _spread_of(values: list) -> dict | None:
+    """spread() of the values that were measured (None: not measured), None if none was."""
+    measured = [v for v in values if v is not None]
+    return spread(measured) if measured else None
+
+
+def aggregate_sharing(runs: list[dict]) -> dict:
+    """One mode's figures from its bench_sharing.py results (one per repetition, or one with
+    several): per workload, over the repetitions, the median [min..max] of TTFT mean and p99
+    and output tokens/s, and per repetition the raw figures (requests, failed, preemptions),
+    over all engines and per engine; the one-engine-busy rounds of all repetitions."""
+    reps = [(rep["rep"], name, w) for r in runs for rep in r["runs"]
+            for name, w in rep["workloads"].items()]
+    workloads: dict = {}
+    for rep, name, w in reps:
+        agg = workloads.setdefault(name, {"reps": [], "per_engine": {}, "plan": []})
+        agg["reps"].append(rep)
+        agg["plan"].append(w.get("plan") or {})
+        for key in (*SHARING_STATS, "requests", "failed", "preemptions"):
+            agg.setdefault(f"{key}_runs", []).append(w.get(key))
+        if w.get("first_error") and not agg.get("first_error"):
+            agg["first_error"] = f"repetition {rep}: {w['first_error']}"
+        for engine, e in w.get("per_engine", {}).items():
+            pe = agg["per_engine"].setdefault(engine, {})
+            for key in (*SHARING_STATS, "requests", "failed", "preemptions"):
+                pe.setdefault(f"{key}_runs", []).append(e.get(key))
+            if e.get("first_error") and not pe.get("first_error"):
+                pe["first_error"] = f"repetition {rep}: {e['first_error']}"
+    for agg in workloads.values():
+        for target in (agg, *agg["per_engine"].values()):
+            for key in SHARING_STATS:
+                target[key] = _spread_of(target[f"{key}_runs"])
+            target["failed_total"] = sum(x or 0 for x in target["failed_runs"])
+    single = [s for r in runs for s in r.get("single", [])]
+    out = {"repetitions": sorted({rep for rep, _, _ in reps}), "workloads": workloads,
+           "single_output_tok_s": _spread_of([s.get("output_tok_s") for s in single]),
+           "single_ttft_mean_ms": _spread_of([s.get("ttft_mean_ms") for s in single]),
+           "single_failed": sum(s.get("failed", 0) for s in single),
+           "engine_deaths": [f"repetition {r['first_rep']}: {why}" for r in runs
+                             for why in r.get("engine_deaths", {}).values()],
+           "health_s": [h for r in runs for h in r["health_s"]]}
+    last = runs[-1]
+    return out | {k: last.get(k) for k in ("engine", "engine_args", "env", "python_path",
+                                           "weights", "backend")}
+
+
 def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path: str | None,
-                 kvcached_env: list[str], modes_text: str | None = None) -> dict:
-    """scripts/bench/bench_sharing.py once per mode: N engines on one device behind their own
-    servers; static split (stock), shared VMM KV (this series), kvcached (if installed)."""
+                 kvcached_env: list[str], modes_text: str | None = None,
+                 options: dict | None = None) -> dict:
+    """scripts/bench/bench_sharing.py once per mode and repetition, the modes interleaved
+    (as given, reversed, ...): N engines on one device behind their own servers; static split
+    (stock), shared VMM KV (this series: first come first served and fair) and kvcached
+    where it is installed. ``options``: workloads, repeats, seed, kv_capacity_bytes,
+    weights (bench.py's --sharing-* options)."""
+    from bench_sharing import SINGLE_REPEATS, kvcached_missing, parse_workloads
+
+    opts = options or {}
     modes = sharing_modes(modes_text, device)
     sharing = prof["sharing"]
+    workloads_text = opts.get("workloads") or sharing.get("workloads", SHARING_WORKLOADS)
+    workloads = parse_workloads(workloads_text)
+    repeats = opts.get("repeats") or sharing["repeats"]
+    seed = opts.get("seed", 0)
+    capacity = opts.get("kv_capacity_bytes")
     model = model_dir(sharing["model"], out)
-    result: dict = {"model": sharing["model"], "engines": sharing["engines"], "modes": {}}
+    result: dict = {"model": sharing["model"], "engines": sharing["engines"], "modes": {},
+                    "workloads": [w["name"] for w in workloads], "seed": seed,
+                    "repeats": repeats, "weights": opts.get("weights"), "order": []}
+    if capacity:
+        result["kv_capacity"] = {"bytes": capacity, "source": "given (--sharing-kv-capacity)"}
+    if "kvcached" in modes:
+        why = kvcached_missing(kvcached_server_env(runner.env, stock_path, kvcached_env))
+        if why:
+            modes.remove("kvcached")
+            result["modes"]["kvcached"] = {"not_installed": why}
+            print(f"sharing: kvcached not installed: {why}", flush=True)
+            if modes_text is not None:  # asked for by name: the run fails
+                runner.failures.append(f"sharing: kvcached: not installed: {why}")
+    if not modes:
+        return result | {"not_measured": "no mode to run (kvcached not installed)"}
+    check_sharing(modes, workloads, capacity)
+    # Each repetition gets at least its share of the one-engine-busy rounds.
+    single_rounds = -(-SINGLE_REPEATS // repeats)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}
+    for rep in range(repeats):
+        for mode in sharing_order(modes, rep):
+            if mode in failed:
+                continue
+            if mode == "kvcached" and capacity is None and any(w["kind"] == "over"
+                                                               for w in workloads):
+                failed[mode] = ("no KV capacity measured before it (the modes before it "
+                                "failed): give --sharing-kv-capacity")
+                runner.failures.append(f"sharing: kvcached: {failed[mode]}")
+                continue
+            js = out / f"sharing_{mode}_{rep}.json"
+            log = runner.logs / f"sharing_{mode}_{rep}.log"
+            cmd = [sys.executable, str(SHARING_SCRIPT), "--mode", mode, "--model", model,
+                   "--engines", str(sharing["engines"]), "--device", device, "--repeats", "1",
+                   "--first-rep", str(rep), "--single-rounds", str(single_rounds),
+                   "--workloads", workloads_text, "--seed", str(seed), "--json", str(js),
+                   "--logs", str(runner.logs)]
+            if capacity:
+                cmd += ["--kv-capacity-bytes", str(capacity)]
+            if opts.get("weights"):
+                cmd += ["--weights", opts["weights"]]
+            if stock_path and mode in ("static", "kvcached"):
+                cmd += ["--python-path", stock_path]
+            if mode == "kvcached":
+                cmd += [a for kv in kvcached_env for a in ("--env", kv)]
+            for key, value in sharing.get("set", {}).items():
+                cmd += ["--set", f"{key}={json.dumps(value)}"]
+            print(f"sharing: {mode}, repetition {rep + 1}/{repeats}, {sharing['engines']} "
+                  f"engines", flush=True)
+            js.unlink(missing_ok=True)
+            why = runner.run(f"sharing: {mode} {rep + 1}", cmd, log, sharing["timeout_s"])
+            if why is not None or not js.exists():
+                failed[mode] = f"repetition {rep + 1}: {(why or 'no results')[:300]}"
+                continue
+            r = json.loads(js.read_text())
+            runs[mode].append(r)
+            result["order"].append(f"{mode} {rep + 1}")
+            result["workload"] = r["profile"]
+            if capacity is None and r.get("kv_capacity_bytes"):
+                capacity = r["kv_capacity_bytes"]
+                result["kv_capacity"] = {"bytes": capacity, "source": f"measured by the {mode} "
+                                         f"engines: {r['capacity_source']}"}
+            if r.get("kv_bytes_per_token"):
+                result["kv_bytes_per_token"] = r["kv_bytes_per_token"]
     for mode in modes:
-        js = out / f"sharing_{mode}.json"
-        log = runner.logs / f"sharing_{mode}.log"
-        cmd = [sys.executable, str(SHARING_SCRIPT), "--mode", mode, "--model", model,
-               "--engines", str(sharing["engines"]), "--device", device, "--repeats",
-               str(sharing["repeats"]), "--json", str(js), "--logs", str(runner.logs)]
-        if stock_path and mode != "shared":
-            cmd += ["--python-path", stock_path]
-        if mode == "kvcached":
-            cmd += [a for kv in kvcached_env for a in ("--env", kv)]
-        for key, value in sharing.get("set", {}).items():
-            cmd += ["--set", f"{key}={json.dumps(value)}"]
-        print(f"sharing: {mode}, {sharing['engines']} engines", flush=True)
-        js.unlink(missing_ok=True)
-        why = runner.run(f"sharing: {mode}", cmd, log, sharing["timeout_s"])
-        if why is not None or not js.exists():
-            result["modes"][mode] = {"not_measured": (why or "no results")[:300]}
-            continue
-        r = json.loads(js.read_text())
-        result["modes"][mode] = {k: r[k] for k in SHARING_STATS} | {
-            "health_s": r["health_s"], "engine": r["engine"], "env": r["env"],
-            "python_path": r["python_path"]}
-        result["workload"] = r["profile"]
+        if runs[mode]:
+            result["modes"][mode] = aggregate_sharing(runs[mode])
+            if mode in failed:
+                result["modes"][mode]["stopped"] = failed[mode]
+        else:
+            result["modes"][mode] = {"not_measured": failed.get(mode, "not run")}
     return result

@@ -35,6 +35,8 @@ TITLES = {
     "sharing": "7. Engines sharing one device (peaks at different times)",
 }
 TARGETS = {"sharing-ttft": ("<=", 0.5), "sharing-single": (">=", 0.97),
+           "sharing-fair-p99": ("<", 1.0), "sharing-kvcached": ("<=", 1.0),
+           "sharing-failed": ("<=", 0),
            "throughput": (">=", 0.99), "startup": ("<=", 1.1), "pagemap": ("<=", 1.5),
            "pd-transfer": (">=", 0.9), "pd-ttft": ("<=", 1.1), "tp2-startup": ("<=", 1.1),
            "idle-ttft": ("<=", 1.1)}
@@ -60,10 +62,10 @@ def _ab(s: dict) -> str:
 
 def _verdict(key: str, value: float, run: dict | None = None) -> tuple[str, str]:
     op, bound = TARGETS[key]
-    if run and run.get("device") == "cpu" and key != "pagemap":
+    if run and run.get("device") == "cpu" and key not in ("pagemap", "sharing-failed"):
         # The targets are for GPU engines; a tiny model on CPU checks the suite, not them.
         return f"{op} {bound}", "n/a on CPU"
-    ok = value >= bound if op == ">=" else value <= bound
+    ok = {">=": value >= bound, "<=": value <= bound, "<": value < bound}[op]
     return f"{op} {bound}", "pass" if ok else "FAIL"
 
 
@@ -215,52 +217,203 @@ def _fraction(s: dict) -> str:
     return f"{s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}]"
 
 
-def render_sharing(data: dict, name: str, row, details: list[str], title: str) -> None:
-    """Item 7: static split (stock) as A, shared VMM KV as B, kvcached beside them."""
-    modes = data["modes"]
+#: Item 7's modes in the report's order, and their names there.
+SHARING_NAMES = {"static": "static split", "first-come": "first-come shared",
+                 "fair": "fair shared", "shared": "shared VMM", "kvcached": "kvcached"}
+_SHARING_STAT_LABELS = {"ttft_mean_ms": "TTFT mean (ms)", "ttft_p99_ms": "TTFT p99 (ms)",
+                        "output_tok_s": "output tokens/s"}
+
+
+def _legacy_sharing(modes: dict) -> dict:
+    """Results written before the workloads and the share policies: one peak workload,
+    figures over the repetitions only."""
+    out = {}
     for mode, m in modes.items():
-        if "not_measured" in m:
-            details.append(f"- {title}: {mode} not measured: {m['not_measured']}.")
-    static, shared = modes.get("static", {}), modes.get("shared", {})
-    measured = "not_measured" not in static and "not_measured" not in shared
-    what = {"peaks_ttft_mean_ms": "peaks: TTFT mean (ms)",
-            "peaks_ttft_p99_ms": "peaks: TTFT p99 (ms)",
-            "peaks_output_tok_s": "peaks: output tokens/s",
-            "single_output_tok_s": "one engine busy: output tokens/s",
-            "single_ttft_mean_ms": "one engine busy: TTFT mean (ms)"}
-    target = {"peaks_ttft_mean_ms": "sharing-ttft", "single_output_tok_s": "sharing-single"}
-    # Results written before a statistic was recorded lack it.
-    what = {k: v for k, v in what.items()
-            if all(k in m for m in modes.values() if "not_measured" not in m)}
-    for key, label in what.items():
-        if not measured:
+        if "not_measured" in m or "workloads" in m:
+            out[mode] = m
             continue
-        ratio = shared[key]["median"] / static[key]["median"]
-        verdict = (_verdict(target[key], ratio, data.get("run")) if key in target
-                   else ("", ""))
-        row("sharing", f"{name}, {data['engines']} x {data['model']}: {label}",
-            _spread(static[key]), _spread(shared[key]), f"{ratio:.3f}", *verdict)
-    kvc = modes.get("kvcached", {})
-    if measured and kvc and "not_measured" not in kvc:
+        peak = {stat: m[f"peaks_{stat}"] for stat in SHARING_STAT_KEYS if f"peaks_{stat}" in m}
+        out[mode] = {**m, "workloads": {"peak": peak}}
+    return out
+
+
+SHARING_STAT_KEYS = ("ttft_mean_ms", "ttft_p99_ms", "output_tok_s")
+
+
+def _paired(a: dict, b: dict, key: str) -> dict | None:
+    """b/a of the medians of a statistic, spread over the repetitions both measured."""
+    sa, sb = a.get(key), b.get(key)
+    if not sa or not sb:
+        return None
+    ratio = sb["median"] / sa["median"] if sa["median"] else float("inf")
+    pairs = []
+    if "reps" in a and "reps" in b:
+        va = dict(zip(a["reps"], a[f"{key}_runs"]))
+        pairs = [vb / va[r] for r, vb in zip(b["reps"], b[f"{key}_runs"])
+                 if va.get(r) and vb is not None]
+    return {"ratio": ratio, "pairs": pairs}
+
+
+def _ratio_text(r: dict) -> str:
+    if not r["pairs"]:
+        return f"{r['ratio']:.3f}"
+    return (f"{r['ratio']:.3f} [{min(r['pairs']):.3f}..{max(r['pairs']):.3f}], "
+            f"n={len(r['pairs'])}")
+
+
+def _workload_text(name: str, w: dict) -> str:
+    plans = [p for p in w.get("plan", []) if p]
+    if not plans:
+        return name
+    p = plans[0]
+    overlaps = "/".join(f"{o:g}" for o in p["overlaps"])
+    return (f"{name} (peaks {p['demand_ratio']:.2f}x the KV capacity, "
+            f"{'+'.join(str(n) for n in p['peak_requests'])} x {p['prompt_len']} in / "
+            f"{p['output_len']} out, overlaps {overlaps})")
+
+
+def render_sharing(data: dict, name: str, row, details: list[str], title: str) -> None:
+    """Item 7: static split (stock) as A, fair shared VMM KV as B (first-come shared, or the
+    shared VMM KV of results from before the share policies, where fair was not run), with
+    first-come shared and kvcached against them; per workload."""
+    modes = _legacy_sharing(data["modes"])
+    run = data.get("run")
+    for mode, m in modes.items():
+        label = SHARING_NAMES.get(mode, mode)
+        if "not_installed" in m:
+            row("sharing", f"{name}: {label}", "", "", f"not installed: {m['not_installed']}")
+        elif "not_measured" in m:
+            details.append(f"- {title}: {label} not measured: {m['not_measured']}.")
+        if m.get("stopped"):
+            details.append(f"- {title}: {label} stopped after {len(m['repetitions'])} "
+                           f"repetition(s): {m['stopped']}.")
+        for why in m.get("engine_deaths", []):
+            details.append(f"- {title}: {label}: an engine died, {why}.")
+    measured = {k: m for k, m in modes.items()
+                if "not_measured" not in m and "not_installed" not in m}
+    static = measured.get("static")
+    vmm = next((k for k in ("fair", "first-come", "shared") if k in measured), None)
+    head = f"{name}, {data['engines']} x {data['model']}"
+    names = list(dict.fromkeys(w for m in measured.values() for w in m["workloads"]))
+    for wl in names:
+        ws = {k: m["workloads"].get(wl, {}) for k, m in measured.items()}
+        over = wl != "peak"
+        what = _workload_text(wl, next((w for w in ws.values() if w.get("plan")), {}))
+        a, b = ws.get("static", {}), ws.get(vmm, {}) if vmm else {}
+        for key in SHARING_STAT_KEYS:
+            if not (static and vmm) or not a.get(key) or not b.get(key):
+                continue
+            r = _paired(a, b, key)
+            tkey = {"ttft_mean_ms": "sharing-ttft", "ttft_p99_ms": "sharing-ttft"}.get(key)
+            verdict = (_verdict(tkey, r["ratio"], run)
+                       if tkey and (over or key == "ttft_mean_ms") else ("", ""))
+            row("sharing", f"{head}, {what}: {_SHARING_STAT_LABELS[key]}, "
+                f"{SHARING_NAMES[vmm]} / static", _spread(a[key]), _spread(b[key]),
+                _ratio_text(r), *verdict)
+        for other in ("first-come", "kvcached"):
+            if not static or other not in ws or other == vmm:
+                continue
+            for key in ("ttft_mean_ms", "ttft_p99_ms"):
+                r = _paired(a, ws[other], key)
+                if r:
+                    row("sharing", f"{head}, {wl}: {_SHARING_STAT_LABELS[key]}, "
+                        f"{SHARING_NAMES[other]} / static", _spread(a[key]),
+                        _spread(ws[other][key]), _ratio_text(r))
+        if static and "first-come" in ws and vmm != "first-come":
+            fc = ws["first-come"]
+            r = _paired(fc, b, "ttft_p99_ms")
+            if r and over:
+                row("sharing", f"{head}, {wl}: TTFT p99 (ms), fair / first-come shared "
+                    "(stock column: first-come)", _spread(fc["ttft_p99_ms"]),
+                    _spread(b["ttft_p99_ms"]), _ratio_text(r),
+                    *_verdict("sharing-fair-p99", r["ratio"], run))
+        kvc = ws.get("kvcached")
+        if kvc and vmm and not over:
+            r = _paired(kvc, b, "ttft_mean_ms")
+            if r:
+                row("sharing", f"{head}, {wl}: TTFT mean (ms), {SHARING_NAMES[vmm]} / kvcached "
+                    "(stock column: kvcached)", _spread(kvc["ttft_mean_ms"]),
+                    _spread(b["ttft_mean_ms"]), _ratio_text(r),
+                    *_verdict("sharing-kvcached", r["ratio"], run))
+        if vmm and "failed_runs" in b:
+            failed = b["failed_total"]
+            row("sharing", f"{head}, {wl}: requests failed, {SHARING_NAMES[vmm]} (all "
+                "repetitions)", str(a.get("failed_total", "")), str(failed), "",
+                *_verdict("sharing-failed", failed, run))
         parts = []
-        for key, label in what.items():
-            ratio = shared[key]["median"] / kvc[key]["median"]
-            parts.append(f"{label} {_spread(kvc[key])} (shared VMM / kvcached {ratio:.3f})")
-        details.append(f"- {title}, kvcached on the same host and vLLM: " + "; ".join(parts)
+        for mode, w in ws.items():
+            if "failed_runs" not in w:
+                continue
+            pre = [x for x in w["preemptions_runs"] if x is not None]
+            fails = "/".join(str(x) for x in w["failed_runs"])
+            text = (f"{SHARING_NAMES.get(mode, mode)}: failed {fails} of "
+                    f"{'/'.join(str(x) for x in w['requests_runs'])} requests, preemptions "
+                    f"{'/'.join(f'{x:g}' for x in pre) if pre else 'not read'}")
+            if w.get("first_error"):
+                text += f" (first error, {w['first_error'][:200]})"
+            engines = []
+            for e, pe in sorted(w.get("per_engine", {}).items()):
+                if pe.get("ttft_mean_ms") and pe.get("ttft_p99_ms"):
+                    engines.append(f"{e}: {_num(pe['ttft_mean_ms']['median'])}/"
+                                   f"{_num(pe['ttft_p99_ms']['median'])}")
+            if engines:
+                text += "; per engine TTFT mean/p99 (ms) " + ", ".join(engines)
+            parts.append(text)
+        if parts:
+            details.append(f"- {title}, {wl}, per repetition: " + "; ".join(parts) + ".")
+    single = [(k, m) for k, m in measured.items() if m.get("single_output_tok_s")]
+    if static and vmm and static.get("single_output_tok_s") and measured[vmm].get(
+            "single_output_tok_s"):
+        for key, label, target in (("single_output_tok_s", "output tokens/s", "sharing-single"),
+                                   ("single_ttft_mean_ms", "TTFT mean (ms)", None)):
+            sa, sb = static.get(key), measured[vmm].get(key)
+            if not sa or not sb:
+                continue
+            ratio = sb["median"] / sa["median"]
+            row("sharing", f"{head}: one engine busy: {label}, {SHARING_NAMES[vmm]} / static",
+                _spread(sa), _spread(sb), f"{ratio:.3f}",
+                *(_verdict(target, ratio, run) if target else ("", "")))
+    others = [f"{SHARING_NAMES.get(k, k)} {_spread(m['single_output_tok_s'])}"
+              for k, m in single if k not in ("static", vmm)]
+    if others:
+        details.append(f"- {title}, one engine busy, output tokens/s: " + ", ".join(others)
                        + ".")
+    kvc = measured.get("kvcached")
+    if kvc and vmm and "peak" in kvc["workloads"] and "repetitions" not in kvc:
+        parts = []  # results from before the workloads: kvcached beside the shared VMM KV
+        for key in SHARING_STAT_KEYS:
+            k, b = kvc["workloads"]["peak"].get(key), measured[vmm]["workloads"]["peak"].get(key)
+            if k and b:
+                parts.append(f"peaks: {_SHARING_STAT_LABELS[key]} {_spread(k)} (shared VMM / "
+                             f"kvcached {b['median'] / k['median']:.3f})")
+        if parts:
+            details.append(f"- {title}, kvcached on the same host and vLLM: " + "; ".join(parts)
+                           + ".")
     w = data.get("workload")
     if w:
-        stock = ("stock vLLM from `--stock-path`" if static.get("python_path")
+        stock = ("stock vLLM from `--stock-path`" if (static or {}).get("python_path")
                  else "the default KV backend")
-        details.append(
-            f"- {title}: stock = {stock}, the device split statically "
-            f"(`--gpu-memory-utilization` {w['share']}/N, or the CPU KV budget / N), "
-            "VMM = every engine "
-            f"`--kv-cache-vmm-shared` with the whole share; per repetition every engine gets "
-            f"{w['background_rate']} req/s all along and in turn a peak of {w['peak_rate']} "
-            f"req/s for {w['peak_s']} s ({w['stagger_s']} s apart), {w['prompt_len']} tokens "
-            f"in / {w['output_len']} out; one engine busy: {w['single_num']} x "
-            f"{w['single_prompt_len']} in at once. Median [min..max] of the repetitions.")
+        split = (f"`kv_cache_memory_bytes` {w['share']}/N" if (run or {}).get("device") == "cpu"
+                 else f"`--gpu-memory-utilization` {w['share']}/N")
+        text = (f"- {title}: stock = {stock}, the device split statically ({split}); shared "
+                "= every engine `--kv-cache-vmm-shared` with the whole share (first-come / "
+                "fair: `--kv-cache-vmm-share-policy`); peak: per repetition every engine gets "
+                f"{w['background_rate']} req/s all along and in turn a peak of {w['peak_rate']} "
+                f"req/s for {w['peak_s']} s ({w['stagger_s']} s apart), {w['prompt_len']} "
+                f"tokens in / {w['output_len']} out")
+        if "over_peak_s" in w and any(n != "peak" for n in names):
+            text += (f"; over<R>: each engine's peak arrives within {w['over_peak_s']} s, "
+                     f"{w['over_background_rate']} req/s background")
+        cap = data.get("kv_capacity")
+        if cap:
+            text += (f"; KV capacity {cap['bytes'] / 2**30:.2f} GiB ({cap['source']}, "
+                     f"{data.get('kv_bytes_per_token')} bytes per token)")
+        if data.get("weights"):
+            text += f"; share weights {data['weights']}"
+        if "seed" in data:
+            text += f"; seed {data['seed']}, modes in the order {', '.join(data['order'])}"
+        details.append(text + f"; one engine busy: {w['single_num']} x {w['single_prompt_len']}"
+                       " in at once. Median [min..max] of the repetitions.")
 
 
 def render_doc_section(results: dict, rel: str, pending: bool = False) -> str:

@@ -2,52 +2,76 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Several engines on one device, each behind its own OpenAI server, under peaks that come
-at different times: time to first token and throughput per way of sharing the KV memory.
+at different times: time to first token, throughput, failed requests and preemptions per way
+of sharing the KV memory.
 
 Modes (``--mode``), the same model and engine settings otherwise:
 
-  static    stock KV allocation, the device split statically: each engine gets
-            ``--gpu-memory-utilization share/N`` (CPU: ``kv_cache_memory_bytes`` total/N)
-  shared    VMM KV shared through the device ledger: every engine
-            ``--kv-cache-memory-backend vmm --kv-cache-vmm-shared`` with the whole share
-            (CPU: the whole KV budget as each engine's virtual size and as the ledger's
-            capacity)
-  kvcached  the external kvcached library on the same vLLM (``ENABLE_KVCACHED=true``,
-            ``KVCACHED_AUTOPATCH=1``, its pool sized to the same share); needs kvcached
-            importable, else the run stops with the reason
+  static      stock KV allocation, the device split statically: each engine gets
+              ``--gpu-memory-utilization share/N`` (CPU: ``kv_cache_memory_bytes`` total/N)
+  first-come  VMM KV shared through the device ledger, first come first served: every
+              engine ``--kv-cache-memory-backend vmm --kv-cache-vmm-shared
+              --kv-cache-vmm-share-policy first-come`` with the whole share (CPU: the whole
+              KV budget as each engine's virtual size and as the ledger's capacity)
+  fair        the same with ``--kv-cache-vmm-share-policy fair``
+  shared      the same without a policy flag (the engine's default; for a build without it)
+  kvcached    the external kvcached library on the same vLLM (``ENABLE_KVCACHED=true``,
+              ``KVCACHED_AUTOPATCH=1``, its pool sized to the same share); needs kvcached
+              importable by the servers' Python, else the run stops with the reason
+
+``--weights W0,W1,...`` gives the shared engines ``--kv-cache-vmm-share-weight``.
 
 The engines start one after another (each profiles the device with the earlier ones
 loaded), then:
 
   single    only engine 0 is busy: ``single_num`` requests at once, small enough for the
-            static split; output tokens/s, after one untimed round, ``--repeats`` times
-            (5 at least)
-  peaks     every engine gets a light background load all along, and in turn a peak
-            (Poisson arrivals at ``--peak-rate`` for ``--peak-s`` seconds, engine i from
-            i * ``--stagger-s``); per repetition, the mean and p99 time to first token over
-            all requests, and output tokens/s. Arrivals and prompts come from ``--seed`` and
-            the repetition number, so every mode replays the same requests.
+            static split; output tokens/s, after one untimed round, ``--single-rounds``
+            timed rounds
+  workloads ``--workloads``, each ``--repeats`` times (repetitions ``--first-rep`` on):
+    peak        every engine gets a light background load all along, and in turn a peak
+                (Poisson arrivals at ``peak_rate`` for ``peak_s`` seconds, engine i from
+                i * ``stagger_s``)
+    over<R>     over-subscribed: the engines' peaks together need R times the device's KV
+                capacity (prompt + output tokens of every peak request, times the model's
+                KV bytes per token), split evenly; engine i's ``over_prompt_len`` /
+                ``over_output_len`` requests arrive uniformly within ``over_peak_s``
+                seconds, and consecutive engines' peaks overlap by the given fractions
+                of that window, in turn (``over3@1/0.5/0``; default 0.75/0.25: engines 0
+                and 1 overlap by 3/4, engines 1 and 2 by 1/4); a background load of
+                ``over_background_rate`` per engine all along
+            The capacity is ``--kv-capacity-bytes``, or measured once the engines are up:
+            static: the KV blocks the engines got (``vllm:cache_config_info``), shared
+            modes: the device ledger's capacity (``vllm:kv_cache_vmm_ledger_bytes``).
+
+Per workload and repetition, over all requests and per engine: TTFT mean and p99, output
+tokens/s, requests failed (with the first error's text) and preemptions (each engine's
+``vllm:num_preemptions`` counter, read before and after). A failed request or an engine that
+dies is recorded, not fatal; an engine that does not start, or a warm-up that fails, stops
+the run with the reason. Arrivals and prompts come from ``--seed``, the workload and the
+repetition, so every mode replays the same requests.
 
 TTFT is measured at the client: from sending a streamed completion to its first chunk.
 
-  python scripts/bench/bench_sharing.py --mode shared --model <config dir> --json /tmp/shared.json
-  python scripts/bench/bench_sharing.py --mode static --device cpu --model <dir> --json /tmp/s.json
+  python scripts/bench/bench_sharing.py --mode fair --model <config dir> --json /tmp/fair.json
+  python scripts/bench/bench_sharing.py --mode static --device cpu --model <dir> \
+      --json /tmp/s.json --workloads peak,over1.5,over3
 
-scripts/bench/bench.py (item 7, ``sharing``) runs the three modes and compares them.
+scripts/bench/bench.py (item 7, ``sharing``) runs the modes interleaved per repetition and
+compares them.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.util
 import json
 import math
 import os
 import random
+import re
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,9 +81,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_items import spread  # noqa: E402
 from bench_server import Server  # noqa: E402
 
-MODES = ("static", "shared", "kvcached")
-#: Timed rounds of the one-engine-busy phase, at least.
+#: Share policy (--kv-cache-vmm-share-policy) of each mode on shared VMM KV; None: the flag
+#: is left out (the engine's default).
+SHARED_MODES: dict[str, str | None] = {"first-come": "first-come", "fair": "fair",
+                                       "shared": None}
+MODES = ("static", *SHARED_MODES, "kvcached")
+#: Timed rounds of the one-engine-busy phase, at least (over all repetitions of a mode).
 SINGLE_REPEATS = 5
+#: Overlap of consecutive engines' peaks in an over-subscribed workload, in turn.
+DEFAULT_OVERLAPS = (0.75, 0.25)
+WORKLOAD_RE = re.compile(r"over(\d+(?:\.\d+)?)(?:@(\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)*))?")
 
 # Sizes per device. "share": the fraction of the device all engines together may use
 # (GPU), or their KV memory in bytes (CPU).
@@ -71,6 +102,8 @@ PROFILES: dict[str, dict] = {
         "prompt_len": 1024, "output_len": 256,
         "single_num": 32, "single_prompt_len": 512,
         "background_rate": 0.5, "peak_rate": 12.0, "peak_s": 8.0, "stagger_s": 20.0,
+        "over_prompt_len": 1024, "over_output_len": 256, "over_peak_s": 6.0,
+        "over_background_rate": 0.5,
         "shrink_delay_s": 2.0, "timeout_s": 600,
     },
     "cpu": {
@@ -80,9 +113,57 @@ PROFILES: dict[str, dict] = {
         "prompt_len": 256, "output_len": 8,
         "single_num": 2, "single_prompt_len": 128,
         "background_rate": 0.0, "peak_rate": 2.0, "peak_s": 3.0, "stagger_s": 6.0,
+        "over_prompt_len": 504, "over_output_len": 8, "over_peak_s": 3.0,
+        "over_background_rate": 0.0,
         "shrink_delay_s": 1.0, "timeout_s": 600,
     },
 }
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
+                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def kv_bytes_per_token(config: dict, kv_dtype: str | None = None) -> int:
+    """KV cache bytes one token takes in all layers, from a model's config.json: keys and
+    values of every KV head (MLA: the latent and the rope part), in the cache's data type
+    (``kv_dtype``, default the model's)."""
+    text = config.get("text_config") or config
+    dtype = kv_dtype or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"
+    if dtype not in _DTYPE_BYTES:
+        raise SystemExit(f"KV bytes per token: unknown data type {dtype!r} (give "
+                         "--set kv_bytes_per_token=N)")
+    layers = text["num_hidden_layers"]
+    if text.get("kv_lora_rank"):
+        per_layer = text["kv_lora_rank"] + text.get("qk_rope_head_dim", 0)
+    else:
+        heads = text.get("num_attention_heads")
+        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+        per_layer = 2 * text.get("num_key_value_heads", heads) * head_dim
+    return layers * per_layer * _DTYPE_BYTES[dtype]
+
+
+def parse_workloads(text: str) -> list[dict]:
+    """``peak,over1.5,over3@1/0``: the workloads, in order, each once."""
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    workloads = []
+    for name in names:
+        if name == "peak":
+            workloads.append({"name": name, "kind": "peak"})
+            continue
+        m = WORKLOAD_RE.fullmatch(name)
+        ratio = float(m[1]) if m else 0.0
+        overlaps = [float(x) for x in m[2].split("/")] if m and m[2] else list(DEFAULT_OVERLAPS)
+        if not m or ratio <= 0 or not all(0 <= o <= 1 for o in overlaps):
+            raise SystemExit(
+                f"workload {name!r}: give peak, or over<R>[@<overlap>/<overlap>...] with R the "
+                "engines' total peak KV demand as a multiple of the device's KV capacity and "
+                "each overlap of consecutive engines' peaks a fraction in [0, 1] "
+                "(e.g. over1.5, over3@1/0.5/0)")
+        workloads.append({"name": name, "kind": "over", "ratio": ratio, "overlaps": overlaps})
+    if not workloads or len(set(names)) != len(names):
+        raise SystemExit(f"workloads {text!r}: give each workload once, comma-separated "
+                         "(e.g. peak,over1.5,over3)")
+    return workloads
 
 
 def mode_settings(mode: str, device: str, prof: dict, engines: int) -> tuple[str | None, dict,
@@ -93,21 +174,36 @@ def mode_settings(mode: str, device: str, prof: dict, engines: int) -> tuple[str
         if device == "cuda":
             return None, {"gpu_memory_utilization": round(share / engines, 4)}, {}
         return None, {"kv_cache_memory_bytes": share // engines}, {}
-    if mode == "shared":
+    if mode in SHARED_MODES:
         args = {"kv_cache_vmm_shared": True, "kv_cache_vmm_shrink_delay": prof["shrink_delay_s"]}
+        if SHARED_MODES[mode] is not None:
+            args["kv_cache_vmm_share_policy"] = SHARED_MODES[mode]
         if device == "cuda":
             return "vmm", args | {"gpu_memory_utilization": share}, {}
         return "vmm", args | {"kv_cache_memory_bytes": share, "kv_cache_vmm_shared_bytes": share}, {}
     if mode == "kvcached":
         if device != "cuda":
             raise SystemExit("--mode kvcached needs a CUDA device")
-        if importlib.util.find_spec("kvcached") is None:
-            raise SystemExit("--mode kvcached: the kvcached package is not importable "
-                             "(install it into this Python first)")
         env = {"ENABLE_KVCACHED": "true", "KVCACHED_AUTOPATCH": "1",
                "KVCACHED_GPU_UTILIZATION": str(share)}
         return None, {"gpu_memory_utilization": share}, env
     raise SystemExit(f"unknown mode {mode!r}")
+
+
+def kvcached_missing(env: dict, timeout: float = 120) -> str | None:
+    """Why the servers' Python (``env``: its PYTHONPATH) cannot import kvcached, or None."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import importlib.util, sys; "
+             "sys.exit(importlib.util.find_spec('kvcached') is None)"],
+            env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"looking for the kvcached package took over {timeout:g} s"
+    if proc.returncode == 0:
+        return None
+    return ("the kvcached package is not importable by the servers' Python"
+            + (f" ({proc.stderr.strip().splitlines()[-1]})" if proc.stderr.strip() else "")
+            + ": install it (or put it on PYTHONPATH, e.g. with --stock-path)")
 
 
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -132,6 +228,58 @@ def schedule(prof: dict, engines: int, seed: int, rep: int,
                     break
                 plan.append((t, engine, prompt(rng, prof["prompt_len"], vocab)))
     return sorted(plan, key=lambda x: x[0])
+
+
+def over_schedule(prof: dict, engines: int, seed: int, rep: int, vocab: int, workload: dict,
+                  capacity_bytes: int, bytes_per_token: int
+                  ) -> tuple[list[tuple[float, int, list[int]]], dict]:
+    """One repetition of an over-subscribed workload: the plan (send time, engine, prompt),
+    sorted, and what it asks for. The peaks' requests together hold ``ratio`` x
+    ``capacity_bytes`` of KV memory once all are in flight (to within half a request), split
+    evenly over the engines; engine i+1's peak starts when engine i's is the overlap's
+    complement through its window."""
+    p_len, o_len = prof["over_prompt_len"], prof["over_output_len"]
+    max_len = prof["engine"].get("max_model_len")
+    if max_len and p_len + o_len > max_len:
+        raise SystemExit(f"over_prompt_len + over_output_len = {p_len + o_len} exceeds the "
+                         f"engines' max_model_len {max_len}")
+    if capacity_bytes <= 0 or bytes_per_token <= 0:
+        raise SystemExit(f"{workload['name']}: the KV capacity ({capacity_bytes} bytes) and "
+                         f"bytes per token ({bytes_per_token}) must be positive")
+    request_bytes = (p_len + o_len) * bytes_per_token
+    total = round(workload["ratio"] * capacity_bytes / request_bytes)
+    if total < engines:
+        raise SystemExit(f"{workload['name']}: {workload['ratio']} x {capacity_bytes} bytes of "
+                         f"KV is {total} request(s) of {p_len + o_len} tokens, fewer than one "
+                         f"per engine ({engines}): lower over_prompt_len or raise the ratio")
+    counts = [total // engines + (i < total % engines) for i in range(engines)]
+    window = prof["over_peak_s"]
+    overlaps = [workload["overlaps"][i % len(workload["overlaps"])] for i in range(engines - 1)]
+    starts = [0.0]
+    for overlap in overlaps:
+        starts.append(starts[-1] + (1 - overlap) * window)
+    rng = random.Random(f"{seed}/{workload['name']}/{rep}")
+    plan = []
+    for engine, (start, n) in enumerate(zip(starts, counts)):
+        times = sorted(start + rng.random() * window for _ in range(n))
+        plan += [(t, engine, prompt(rng, p_len, vocab)) for t in times]
+    horizon = starts[-1] + window
+    rate = prof["over_background_rate"]
+    background = 0
+    for engine in range(engines):
+        t = 0.0
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= horizon:
+                break
+            plan.append((t, engine, prompt(rng, p_len, vocab)))
+            background += 1
+    info = {"ratio": workload["ratio"], "overlaps": overlaps, "peak_starts_s": starts,
+            "peak_window_s": window, "peak_requests": counts, "background_requests": background,
+            "prompt_len": p_len, "output_len": o_len, "bytes_per_token": bytes_per_token,
+            "capacity_bytes": capacity_bytes, "demand_bytes": total * request_bytes,
+            "demand_ratio": total * request_bytes / capacity_bytes}
+    return sorted(plan, key=lambda x: x[0]), info
 
 
 def stream_completion(port: int, model: str, tokens: list[int], max_tokens: int,
@@ -168,7 +316,7 @@ def stream_completion(port: int, model: str, tokens: list[int], max_tokens: int,
             return {"error": f"the stream ended without a token or without usage: {data[:300]!r}"}
         return {"ttft_s": ttft, "total_s": time.perf_counter() - t0,
                 "tokens": completion_tokens}
-    except OSError as e:
+    except (OSError, http.client.HTTPException, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         conn.close()
@@ -181,10 +329,14 @@ def run_plan(servers: list[Server], model: str, plan: list[tuple[float, int, lis
     start = time.perf_counter()
 
     def one(i: int, engine: int, tokens: list[int]) -> None:
-        r = stream_completion(servers[engine].port, model, tokens, max_tokens, timeout)
+        sent = time.perf_counter() - start
+        try:
+            r = stream_completion(servers[engine].port, model, tokens, max_tokens, timeout)
+        except Exception as e:  # noqa: BLE001 - a request's failure is a result, not lost
+            r = {"error": f"{type(e).__name__}: {e}"}
         r["engine"] = engine
-        r["sent_s"] = time.perf_counter() - start
-        r["done_s"] = r["sent_s"] + r.get("total_s", 0.0)
+        r["sent_s"] = sent
+        r["done_s"] = time.perf_counter() - start
         results[i] = r
 
     with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
@@ -196,34 +348,143 @@ def run_plan(servers: list[Server], model: str, plan: list[tuple[float, int, lis
     return results
 
 
-def summarize_run(results: list[dict]) -> dict:
+def _stats(results: list[dict]) -> dict:
+    """Requests, failures (with the first error) and, over the requests that completed, TTFT
+    mean and p99 (ms) and output tokens/s (first send to last completion); None where none
+    completed."""
+    ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise SystemExit(f"{len(errors)} of {len(results)} requests failed, first: {errors[0]}")
-    ttfts = sorted(r["ttft_s"] * 1000 for r in results)
-    p99 = ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)]
-    first_sent = min(r["sent_s"] for r in results)
-    last_done = max(r["done_s"] for r in results)
-    tokens = sum(r["tokens"] for r in results)
-    per_engine = {}
-    for engine in sorted({r["engine"] for r in results}):
-        mine = [r["ttft_s"] * 1000 for r in results if r["engine"] == engine]
-        per_engine[str(engine)] = {"requests": len(mine), "ttft_mean_ms": statistics.mean(mine)}
-    return {"requests": len(results), "ttft_mean_ms": statistics.mean(ttfts),
-            "ttft_p99_ms": p99, "output_tok_s": tokens / (last_done - first_sent),
-            "wall_s": last_done - first_sent, "per_engine": per_engine}
+    out: dict = {"requests": len(results), "failed": len(errors),
+                 "first_error": errors[0] if errors else None, "ttft_mean_ms": None,
+                 "ttft_p99_ms": None, "output_tok_s": None, "wall_s": None}
+    if ok:
+        ttfts = sorted(r["ttft_s"] * 1000 for r in ok)
+        wall = max(r["done_s"] for r in ok) - min(r["sent_s"] for r in ok)
+        out |= {"ttft_mean_ms": statistics.mean(ttfts),
+                "ttft_p99_ms": ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)],
+                "output_tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else None,
+                "wall_s": wall}
+    return out
 
 
-def scrape(server: Server, prefixes: tuple[str, ...]) -> list[str]:
-    """Lines of the server's /metrics that start with one of ``prefixes``."""
+def summarize_run(results: list[dict]) -> dict:
+    """All requests of one run together, and per engine ("per_engine", by engine index)."""
+    per_engine = {str(e): _stats([r for r in results if r["engine"] == e])
+                  for e in sorted({r["engine"] for r in results})}
+    return _stats(results) | {"per_engine": per_engine}
+
+
+def fetch_metrics(server: Server) -> str | None:
+    """The server's /metrics text, None if it does not answer."""
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        conn.close()
-    except OSError as e:
-        return [f"# /metrics: {e}"]
-    return [line for line in text.splitlines() if line.startswith(prefixes)]
+        try:
+            conn.request("GET", "/metrics")
+            resp = conn.getresponse()
+            return resp.read().decode(errors="replace") if resp.status == 200 else None
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException):
+        return None
+
+
+_SAMPLE_RE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(text: str, names: tuple[str, ...]) -> list[tuple[dict, float]]:
+    """(labels, value) of every sample in a Prometheus text whose name is one of ``names``."""
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE_RE.fullmatch(line.strip())
+        if not m or m[1] not in names:
+            continue
+        try:
+            value = float(m[3])
+        except ValueError:
+            continue
+        samples.append(({k: v for k, v in _LABEL_RE.findall(m[2] or "")}, value))
+    return samples
+
+
+def preemptions(text: str | None) -> float | None:
+    """The engine's vllm:num_preemptions counter (all its series), None without /metrics."""
+    if text is None:
+        return None
+    samples = metric_samples(text, ("vllm:num_preemptions_total", "vllm:num_preemptions"))
+    return sum(v for _, v in samples) if samples else None
+
+
+def capacity_from_metrics(mode: str, texts: list[str | None],
+                          bytes_per_token: int) -> tuple[int, str]:
+    """The device's KV capacity in bytes, and how it was found, from the engines' /metrics:
+    static, the KV blocks every engine got (vllm:cache_config_info) together; shared VMM KV,
+    the device ledger's capacity (the smallest any engine reports)."""
+    if any(t is None for t in texts):
+        raise SystemExit("measuring the device's KV capacity: an engine's /metrics did not "
+                         "answer (give --kv-capacity-bytes)")
+    if mode == "static":
+        tokens = 0
+        for text in texts:
+            info = metric_samples(text, ("vllm:cache_config_info",))
+            if not info or not info[0][0].get("num_gpu_blocks", "").isdigit():
+                raise SystemExit("measuring the device's KV capacity: no num_gpu_blocks in "
+                                 "vllm:cache_config_info (give --kv-capacity-bytes)")
+            tokens += int(info[0][0]["num_gpu_blocks"]) * int(info[0][0]["block_size"])
+        return tokens * bytes_per_token, (f"the static split's KV blocks, {tokens} tokens in "
+                                          f"all (vllm:cache_config_info)")
+    if mode in SHARED_MODES:
+        caps = [v for text in texts for labels, v in
+                metric_samples(text, ("vllm:kv_cache_vmm_ledger_bytes",))
+                if labels.get("quantity") == "capacity"]
+        if not caps:
+            raise SystemExit("measuring the device's KV capacity: no ledger capacity in "
+                             "vllm:kv_cache_vmm_ledger_bytes (give --kv-capacity-bytes)")
+        return int(min(caps)), "the device ledger's capacity (vllm:kv_cache_vmm_ledger_bytes)"
+    raise SystemExit(f"--mode {mode} cannot measure the device's KV capacity: give "
+                     "--kv-capacity-bytes (e.g. what a static run measured)")
+
+
+def measure_capacity(mode: str, servers: list[Server], bytes_per_token: int,
+                     wait_s: float = 15.0) -> tuple[int, str]:
+    """capacity_from_metrics of the servers, asked again for up to ``wait_s`` seconds while
+    their metrics lack it (the engines publish their figures with their step statistics)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return capacity_from_metrics(mode, [fetch_metrics(s) for s in servers],
+                                         bytes_per_token)
+        except SystemExit:
+            if time.monotonic() >= deadline or mode not in ("static", *SHARED_MODES):
+                raise
+            time.sleep(1.0)
+
+
+def run_workload(servers: list[Server], model: str, plan: list, max_tokens: int,
+                 timeout: float) -> dict:
+    """One repetition of a workload: its summary, with each engine's preemptions during it."""
+    before = [preemptions(fetch_metrics(s)) for s in servers]
+    run = summarize_run(run_plan(servers, model, plan, max_tokens, timeout))
+    after = [preemptions(fetch_metrics(s)) for s in servers]
+    for i, (b, a) in enumerate(zip(before, after)):
+        count = a - b if a is not None and b is not None else None
+        run["per_engine"].setdefault(str(i), _stats([]))["preemptions"] = count
+    counts = [e["preemptions"] for e in run["per_engine"].values()]
+    run["preemptions"] = None if None in counts else sum(counts)
+    return run
+
+
+def parse_weights(text: str | None, engines: int) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != engines or not all(w > 0 for w in weights):
+        raise SystemExit(f"--weights {text!r}: give {engines} positive numbers, one per engine, "
+                         "comma-separated")
+    return weights
 
 
 def main() -> None:
@@ -235,8 +496,18 @@ def main() -> None:
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workloads", default="peak", help="comma-separated: peak, over<R>[@...]")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions of every workload")
+    p.add_argument("--first-rep", type=int, default=0,
+                   help="index of the first repetition (its arrivals and prompts)")
+    p.add_argument("--single-rounds", type=int, default=SINGLE_REPEATS,
+                   help="timed rounds with one engine busy (after an untimed one; 0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-capacity-bytes", type=int, default=None,
+                   help="the device's KV capacity for the over-subscribed workloads "
+                   "(default: measured, see above)")
+    p.add_argument("--weights", help="shared modes: --kv-cache-vmm-share-weight per engine, "
+                   "comma-separated")
     p.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --json)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a profile value (JSON value), e.g. --set peak_rate=8")
@@ -247,14 +518,25 @@ def main() -> None:
                    help="environment of the servers (repeatable)")
     args = p.parse_args()
 
+    for flag, value, least in (("--engines", args.engines, 1), ("--repeats", args.repeats, 1),
+                               ("--first-rep", args.first_rep, 0),
+                               ("--single-rounds", args.single_rounds, 0)):
+        if value < least:
+            raise SystemExit(f"{flag} {value}: give {least} or more")
+    if args.kv_capacity_bytes is not None and args.kv_capacity_bytes < 1:
+        raise SystemExit(f"--kv-capacity-bytes {args.kv_capacity_bytes}: give a positive size")
     prof = json.loads(json.dumps(PROFILES[args.device]))
     for item in args.set:
         key, _, value = item.partition("=")
-        if key not in prof:
-            raise SystemExit(f"--set {key}: not a profile value ({', '.join(sorted(prof))})")
+        if key not in prof and key != "kv_bytes_per_token":
+            raise SystemExit(f"--set {key}: not a profile value ({', '.join(sorted(prof))}, "
+                             "kv_bytes_per_token)")
         prof[key] = json.loads(value)
+    workloads = parse_workloads(args.workloads)
+    weights = parse_weights(args.weights, args.engines)
     config = json.loads((Path(args.model) / "config.json").read_text())
     vocab = min(30000, config.get("vocab_size", 30000))
+    bytes_per_token = prof.get("kv_bytes_per_token") or kv_bytes_per_token(config)
     backend, mode_args, mode_env = mode_settings(args.mode, args.device, prof, args.engines)
     engine = prof["engine"] | mode_args
     logs = args.logs or args.json.parent
@@ -268,21 +550,42 @@ def main() -> None:
         if not sep:
             raise SystemExit(f"--env {item!r}: KEY=VALUE expected")
         mode_env[key] = value
+    if args.mode == "kvcached":
+        why = kvcached_missing({**base_env, **mode_env})
+        if why:
+            raise SystemExit(f"--mode kvcached: {why}")
     if args.device == "cpu":
         base_env["VLLM_TARGET_DEVICE"] = "cpu"
     else:
         base_env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    engines_args = [engine | ({"kv_cache_vmm_share_weight": weights[i]}
+                              if weights and args.mode in SHARED_MODES else {})
+                    for i in range(args.engines)]
     result: dict = {"mode": args.mode, "engines": args.engines, "device": args.device,
-                    "profile": prof, "engine": engine, "backend": backend or "default",
-                    "env": mode_env, "python_path": args.python_path, "seed": args.seed,
-                    "health_s": []}
+                    "profile": prof, "engine": engine, "engine_args": engines_args,
+                    "backend": backend or "default", "env": mode_env,
+                    "python_path": args.python_path, "seed": args.seed,
+                    "weights": weights, "first_rep": args.first_rep, "repeats": args.repeats,
+                    "workloads": workloads, "kv_bytes_per_token": bytes_per_token,
+                    "kv_capacity_bytes": args.kv_capacity_bytes,
+                    "capacity_source": "given (--kv-capacity-bytes)"
+                    if args.kv_capacity_bytes else None,
+                    "health_s": [], "single": [], "runs": [], "engine_deaths": {}}
     servers: list[Server] = []
+
+    def note_deaths() -> None:
+        for i, server in enumerate(servers):
+            if server.proc.poll() is not None and str(i) not in result["engine_deaths"]:
+                result["engine_deaths"][str(i)] = server.failure(f"engine {i} died")
+                print(f"{args.mode}: {result['engine_deaths'][str(i)]}", flush=True)
+
     try:
         for i in range(args.engines):
             env = dict(mode_env)
             if args.mode == "kvcached":
                 env["KVCACHED_IPC_NAME"] = f"bench_sharing_{os.getpid()}_{i}"
-            server = Server(args.model, backend, engine, logs / f"sharing-{args.mode}-{i}.log",
+            server = Server(args.model, backend, engines_args[i],
+                            logs / f"sharing-{args.mode}-{args.first_rep}-{i}.log",
                             base_env, env=env)
             servers.append(server)
             health = server.wait_healthy(prof["timeout_s"])
@@ -291,44 +594,60 @@ def main() -> None:
             result["health_s"].append(round(health["health_s"], 1))
             print(f"{args.mode}: engine {i} up in {health['health_s']:.0f} s", flush=True)
         warm = [(0.0, i, prompt(random.Random(i), 16, vocab)) for i in range(args.engines)]
-        summarize_run(run_plan(servers, args.model, warm, 2, prof["timeout_s"]))
+        failed = summarize_run(run_plan(servers, args.model, warm, 2, prof["timeout_s"]))
+        if failed["failed"]:
+            raise SystemExit(f"{args.mode}: warm-up: {failed['failed']} of {failed['requests']} "
+                             f"requests failed, first: {failed['first_error']}")
+        if result["kv_capacity_bytes"] is None and any(w["kind"] == "over" for w in workloads):
+            result["kv_capacity_bytes"], result["capacity_source"] = measure_capacity(
+                args.mode, servers, bytes_per_token)
+            print(f"{args.mode}: KV capacity {result['kv_capacity_bytes'] / 2**30:.2f} GiB: "
+                  f"{result['capacity_source']}", flush=True)
 
-        result["single"] = []
         # One untimed round first (the first batch of a size pays for its kernels), then
-        # at least five timed ones: a round takes a few seconds and spreads widely.
-        for rep in range(-1, max(args.repeats, SINGLE_REPEATS)):
-            rng = random.Random(args.seed * 1000 + 500 + rep)
+        # the timed ones: a round takes a few seconds and spreads widely.
+        for rnd in range(-1, args.single_rounds if args.single_rounds > 0 else -1):
+            rng = random.Random(args.seed * 1000 + 500 + args.first_rep * 100 + rnd)
             plan = [(0.0, 0, prompt(rng, prof["single_prompt_len"], vocab))
                     for _ in range(prof["single_num"])]
             run = summarize_run(run_plan(servers, args.model, plan, prof["output_len"],
                                          prof["timeout_s"]))
-            if rep >= 0:
+            if rnd >= 0:
                 result["single"].append(run)
-            print(f"{args.mode}: single {rep}: {run['output_tok_s']:.0f} tok/s", flush=True)
+            print(f"{args.mode}: single {rnd}: {run['output_tok_s'] or 0:.0f} tok/s, "
+                  f"{run['failed']} failed", flush=True)
             time.sleep(prof["shrink_delay_s"] + 1)
 
-        result["peaks"] = []
-        for rep in range(args.repeats):
-            plan = schedule(prof, args.engines, args.seed, rep, vocab)
-            run = summarize_run(run_plan(servers, args.model, plan, prof["output_len"],
-                                         prof["timeout_s"]))
-            result["peaks"].append(run)
-            print(f"{args.mode}: peaks {rep}: {run['requests']} requests, TTFT mean "
-                  f"{run['ttft_mean_ms']:.0f} ms, p99 {run['ttft_p99_ms']:.0f} ms, "
-                  f"{run['output_tok_s']:.0f} tok/s", flush=True)
-            time.sleep(prof["shrink_delay_s"] + 2)
-        if args.mode == "shared":
-            result["ledger_metrics"] = scrape(servers[0], ("vllm:kv_cache_vmm_ledger_bytes",))
+        for rep in range(args.first_rep, args.first_rep + args.repeats):
+            runs: dict = {}
+            for w in workloads:
+                if w["kind"] == "peak":
+                    plan, info = schedule(prof, args.engines, args.seed, rep, vocab), {}
+                    max_tokens = prof["output_len"]
+                else:
+                    plan, info = over_schedule(prof, args.engines, args.seed, rep, vocab, w,
+                                               result["kv_capacity_bytes"], bytes_per_token)
+                    max_tokens = prof["over_output_len"]
+                run = run_workload(servers, args.model, plan, max_tokens, prof["timeout_s"])
+                runs[w["name"]] = run | {"plan": info}
+                note_deaths()
+                print(f"{args.mode}: {w['name']} {rep}: {run['requests']} requests, "
+                      f"{run['failed']} failed, TTFT mean {run['ttft_mean_ms'] or 0:.0f} ms, "
+                      f"p99 {run['ttft_p99_ms'] or 0:.0f} ms, {run['output_tok_s'] or 0:.0f} "
+                      f"tok/s, {run['preemptions']} preemptions", flush=True)
+                time.sleep(prof["shrink_delay_s"] + 2)
+            result["runs"].append({"rep": rep, "workloads": runs})
+        if args.mode in SHARED_MODES:
+            text = fetch_metrics(servers[0]) or ""
+            result["ledger_metrics"] = [line for line in text.splitlines()
+                                        if line.startswith("vllm:kv_cache_vmm_ledger_bytes")]
     finally:
         for server in servers:
             server.stop()
-    for key in ("single", "peaks"):
-        runs = result[key]
-        for stat in ("ttft_mean_ms", "ttft_p99_ms", "output_tok_s"):
-            result[f"{key}_{stat}"] = spread([r[stat] for r in runs])
     args.json.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k]["median"] for k in
-                      ("peaks_ttft_mean_ms", "peaks_ttft_p99_ms", "single_output_tok_s")}))
+    for run in result["runs"]:
+        print(json.dumps({name: {k: w[k] for k in ("ttft_mean_ms", "ttft_p99_ms", "failed")}
+                          for name, w in run["workloads"].items()}))
 
 
 if __name__ == "__main__":

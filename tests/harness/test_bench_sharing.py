@@ -1,10 +1,15 @@
-"""Item 7's workload and summary without vLLM: the peaks are replayed from the seed, each
-engine's peak comes in its own window, the static split divides the share, p99 and
-throughput come from the requests, and the report puts the three modes side by side
-(tests/engine/test_bench_sharing.py runs the item on real CPU engines)."""
+"""Item 7's workloads and figures without vLLM: the peaks and the over-subscribed workloads
+are replayed from the seed and ask for the KV demand they name, the static split divides the
+share, p99, throughput, failures and preemptions come from the requests and the engines'
+metrics, the repetitions of each mode are interleaved and aggregated with their spread, and
+the report puts the modes side by side (tests/engine/test_bench_sharing.py runs the item on
+real CPU engines). The suite's item runs here against a stand-in for its processes
+(bench_sharing.py needs vLLM servers)."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -41,16 +46,35 @@ def test_the_peaks_replay_from_the_seed_and_come_in_turn():
 def test_modes_split_or_share_the_device():
     backend, args, env = bs.mode_settings("static", "cuda", PROF, 3)
     assert backend is None and args == {"gpu_memory_utilization": 0.3} and env == {}
-    backend, args, _ = bs.mode_settings("shared", "cuda", PROF, 3)
-    assert backend == "vmm" and args["kv_cache_vmm_shared"]
-    assert args["gpu_memory_utilization"] == PROF["share"]
+    for mode, policy in (("first-come", "first-come"), ("fair", "fair"), ("shared", None)):
+        backend, args, _ = bs.mode_settings(mode, "cuda", PROF, 3)
+        assert backend == "vmm" and args["kv_cache_vmm_shared"]
+        assert args.get("kv_cache_vmm_share_policy") == policy
+        assert args["gpu_memory_utilization"] == PROF["share"]
     cpu = bs.PROFILES["cpu"]
     _, args, _ = bs.mode_settings("static", "cpu", cpu, 2)
     assert args == {"kv_cache_memory_bytes": cpu["share"] // 2}
-    _, args, _ = bs.mode_settings("shared", "cpu", cpu, 2)
+    _, args, _ = bs.mode_settings("fair", "cpu", cpu, 2)
     assert args["kv_cache_memory_bytes"] == args["kv_cache_vmm_shared_bytes"] == cpu["share"]
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bs.mode_settings("kvcached", "cpu", cpu, 2)
+
+
+def test_the_flags_reach_the_server_command_line(tmp_path):
+    """The engine arguments of a fair engine with a weight become exactly the flags
+    ``--kv-cache-vmm-shared --kv-cache-vmm-share-policy fair --kv-cache-vmm-share-weight 2``
+    (the command is written to the log before the server starts)."""
+    from bench_server import Server
+
+    _, args, _ = bs.mode_settings("fair", "cpu", bs.PROFILES["cpu"], 2)
+    log = tmp_path / "s.log"
+    server = Server("/nonexistent", "vmm", args | {"kv_cache_vmm_share_weight": 2.0}, log,
+                    {"PATH": os.environ["PATH"]}, env={"PYTHONPATH": str(tmp_path)})
+    server.stop()
+    cmd = log.read_text().splitlines()[0]
+    assert ("--kv-cache-memory-backend vmm" in cmd and " --kv-cache-vmm-shared " in cmd
+            and "--kv-cache-vmm-share-policy fair" in cmd
+            and "--kv-cache-vmm-share-weight 2.0" in cmd)
 
 
 def test_summary_of_one_run():
@@ -59,16 +83,148 @@ def test_summary_of_one_run():
                 "done_s": i * 0.1 + 1.0, "total_s": 1.0} for i in range(100)]
     rng.shuffle(results)
     s = bs.summarize_run(results)
-    assert s["requests"] == 100
+    assert s["requests"] == 100 and s["failed"] == 0 and s["first_error"] is None
     assert s["ttft_mean_ms"] == pytest.approx(505.0)
     assert s["ttft_p99_ms"] == pytest.approx(990.0)
     assert s["output_tok_s"] == pytest.approx(1000 / (9.9 + 1.0))
-    assert s["per_engine"]["1"]["requests"] == 50
-    with pytest.raises(SystemExit, match="1 of 2 requests failed"):
-        bs.summarize_run([results[0], {"error": "HTTP 500"}])
+    odd = s["per_engine"]["1"]
+    assert odd["requests"] == 50 and odd["ttft_mean_ms"] == pytest.approx(510.0)
+    assert odd["ttft_p99_ms"] == pytest.approx(1000.0)
+    assert odd["output_tok_s"] == pytest.approx(500 / (9.9 - 0.1 + 1.0))
+
+
+def test_failed_requests_are_counted_per_engine_with_the_first_error():
+    ok = {"engine": 0, "ttft_s": 0.2, "tokens": 4, "sent_s": 0.0, "done_s": 1.0}
+    failed = [{"engine": 1, "error": "HTTP 500: b'Cannot get 96 free blocks'", "sent_s": 0.5,
+               "done_s": 0.6},
+              {"engine": 1, "error": "ConnectionRefusedError", "sent_s": 0.7, "done_s": 0.7},
+              {"engine": 0, "error": "later", "sent_s": 2.0, "done_s": 2.0}]
+    s = bs.summarize_run([ok, *failed])
+    assert s["requests"] == 4 and s["failed"] == 3
+    assert s["first_error"] == "HTTP 500: b'Cannot get 96 free blocks'"
+    assert s["ttft_mean_ms"] == pytest.approx(200.0) and s["output_tok_s"] == 4.0
+    e1 = s["per_engine"]["1"]
+    # An engine none of whose requests completed: no figures, but its failures.
+    assert e1["failed"] == 2 and e1["ttft_mean_ms"] is e1["output_tok_s"] is None
+    assert e1["first_error"].startswith("HTTP 500")
+    assert s["per_engine"]["0"]["failed"] == 1
+
+
+def test_kv_bytes_per_token_from_the_model_config():
+    llama = json.loads((ROOT / "ci/hf-models/meta-llama/Llama-3.1-8B-Instruct/config.json")
+                       .read_text())
+    # 32 layers x (K + V) x 8 KV heads x 128 x 2 bytes (bfloat16).
+    assert bs.kv_bytes_per_token(llama) == 32 * 2 * 8 * 128 * 2 == 128 << 10
+    assert bs.kv_bytes_per_token(llama, "fp8") == 64 << 10
+    tiny = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "torch_dtype": "float32"}
+    assert bs.kv_bytes_per_token(tiny) == 2 * 2 * 2 * 64 * 4
+    mla = {"num_hidden_layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "num_attention_heads": 16, "hidden_size": 2048, "torch_dtype": "bfloat16"}
+    assert bs.kv_bytes_per_token(mla) == 3 * 576 * 2
+    with pytest.raises(SystemExit, match="kv_bytes_per_token"):
+        bs.kv_bytes_per_token({**tiny, "torch_dtype": "int3"})
+
+
+def test_workload_names():
+    peak, over, custom = bs.parse_workloads("peak, over1.5,over3@1/0.5/0")
+    assert peak == {"name": "peak", "kind": "peak"}
+    assert over == {"name": "over1.5", "kind": "over", "ratio": 1.5,
+                    "overlaps": list(bs.DEFAULT_OVERLAPS)}
+    assert custom["ratio"] == 3.0 and custom["overlaps"] == [1.0, 0.5, 0.0]
+    for bad in ("", "over", "over0", "over2@1.5", "over2@", "burst", "peak,peak", "over-1"):
+        with pytest.raises(SystemExit, match="workload"):
+            bs.parse_workloads(bad)
+
+
+OVER = {**bs.PROFILES["cuda"], "over_prompt_len": 1000, "over_output_len": 24,
+        "over_peak_s": 4.0, "over_background_rate": 0.5}
+
+
+@pytest.mark.parametrize("ratio", [1.5, 3.0])
+@pytest.mark.parametrize("engines,capacity", [(3, 20 << 30), (2, 5 << 30), (4, 123456789)])
+def test_over_subscribed_workloads_ask_for_their_ratio_of_the_capacity(ratio, engines,
+                                                                         capacity):
+    bpt = 128 << 10 if capacity > 1 << 30 else 2048
+    w = bs.parse_workloads(f"over{ratio}")[0]
+    plan, info = bs.over_schedule(OVER, engines, 7, 2, 1000, w, capacity, bpt)
+    request = (OVER["over_prompt_len"] + OVER["over_output_len"]) * bpt
+    peak = sum(info["peak_requests"])
+    # The peaks' KV demand is the ratio of the capacity to within half a request.
+    assert info["demand_bytes"] == peak * request
+    assert abs(info["demand_bytes"] - ratio * capacity) <= request / 2
+    assert info["demand_ratio"] == pytest.approx(ratio, abs=request / 2 / capacity)
+    # Split evenly, and the plan holds exactly the peaks and the background.
+    assert max(info["peak_requests"]) - min(info["peak_requests"]) <= 1
+    assert len(plan) == peak + info["background_requests"]
+    assert [t for t, _, _ in plan] == sorted(t for t, _, _ in plan)
+    assert all(len(p) == OVER["over_prompt_len"] and all(100 <= x < 1000 for x in p)
+               for _, _, p in plan)
+    # Replayed from the seed and the repetition; another repetition or seed differs.
+    assert (plan, info) == bs.over_schedule(OVER, engines, 7, 2, 1000, w, capacity, bpt)
+    assert plan != bs.over_schedule(OVER, engines, 7, 3, 1000, w, capacity, bpt)[0]
+    assert plan != bs.over_schedule(OVER, engines, 8, 2, 1000, w, capacity, bpt)[0]
+
+
+def test_over_subscribed_peaks_overlap_by_the_given_fractions():
+    w = bs.parse_workloads("over3@1/0.5/0")[0]
+    plan, info = bs.over_schedule({**OVER, "over_background_rate": 0.0}, 5, 0, 0, 1000, w,
+                                  20 << 30, 128 << 10)
+    window = OVER["over_peak_s"]
+    starts = info["peak_starts_s"]
+    assert info["overlaps"] == [1.0, 0.5, 0.0, 1.0] and info["background_requests"] == 0
+    for i, overlap in enumerate(info["overlaps"]):
+        shared = max(0.0, starts[i] + window - starts[i + 1])
+        assert shared == pytest.approx(overlap * window)
+    for engine in range(5):
+        times = [t for t, e, _ in plan if e == engine]
+        assert len(times) == info["peak_requests"][engine]
+        assert all(starts[engine] <= t < starts[engine] + window for t in times)
+    # The default: 3/4 between engines 0 and 1, 1/4 between 1 and 2.
+    _, info = bs.over_schedule(OVER, 3, 0, 0, 1000, bs.parse_workloads("over1.5")[0],
+                               20 << 30, 128 << 10)
+    assert info["peak_starts_s"] == [0.0, 0.25 * window, 0.25 * window + 0.75 * window]
+
+
+def test_over_subscribed_workloads_refuse_what_cannot_be_sized():
+    w = bs.parse_workloads("over1.5")[0]
+    with pytest.raises(SystemExit, match="fewer than one per engine"):
+        bs.over_schedule(OVER, 3, 0, 0, 1000, w, 1 << 20, 128 << 10)
+    with pytest.raises(SystemExit, match="max_model_len"):
+        bs.over_schedule({**OVER, "over_prompt_len": 5000}, 3, 0, 0, 1000, w, 20 << 30, 1)
+    with pytest.raises(SystemExit, match="must be positive"):
+        bs.over_schedule(OVER, 3, 0, 0, 1000, w, 0, 1)
+
+
+METRICS = """# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
+vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e+09
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="1000",prefix="a \\"quoted\\" one"} 1.0
+vllm:kv_cache_vmm_ledger_bytes{device="0",engine="0",ledger_engine="",quantity="capacity"} 2.5e+10
+vllm:kv_cache_vmm_ledger_bytes{device="0",engine="0",ledger_engine="e1 (pid 9)",quantity="mapped"} 1e+09
+"""
+
+
+def test_preemptions_and_the_kv_capacity_come_from_the_engines_metrics():
+    assert bs.preemptions(METRICS) == 7.0
+    assert bs.preemptions("vllm:other 1\n") is None and bs.preemptions(None) is None
+    cap, how = bs.capacity_from_metrics("static", [METRICS, METRICS.replace('"1000"', '"500"')],
+                                        100)
+    assert cap == (1000 + 500) * 16 * 100 and "1500" not in how and "24000 tokens" in how
+    other = METRICS.replace("2.5e+10", "2.0e+10")
+    for mode in ("fair", "first-come", "shared"):
+        assert bs.capacity_from_metrics(mode, [METRICS, other], 100)[0] == 20_000_000_000
+    with pytest.raises(SystemExit, match="--kv-capacity-bytes"):
+        bs.capacity_from_metrics("kvcached", [METRICS], 100)
+    with pytest.raises(SystemExit, match="did not answer"):
+        bs.capacity_from_metrics("static", [METRICS, None], 100)
+    with pytest.raises(SystemExit, match="no ledger capacity"):
+        bs.capacity_from_metrics("fair", ["vllm:x 1"], 100)
 
 
 def _mode(mean: float, p99: float, tok_s: float, single: float, path=None) -> dict:
+    """A mode as results from before the workloads recorded it (peaks_*)."""
     def spread(x: float) -> dict:
         return {"median": x, "min": x * 0.9, "max": x * 1.1, "runs": [x * 0.9, x, x * 1.1]}
 
@@ -77,20 +233,26 @@ def _mode(mean: float, p99: float, tok_s: float, single: float, path=None) -> di
             "health_s": [50.0], "engine": {}, "env": {}, "python_path": path}
 
 
-def test_report_puts_the_modes_side_by_side():
-    run = {"date": "d", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
-           "command": "python3 scripts/bench/bench.py --items sharing", "gpu": "GPU",
-           "device": "cuda"}
-    data = {"model": "Llama-3.1-8B-Instruct", "engines": 3, "run": run,
+RUN = {"date": "d", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
+       "command": "python3 scripts/bench/bench.py --items sharing", "gpu": "GPU",
+       "device": "cuda"}
+
+
+def _row(md: str, *words: str) -> str:
+    return next(line for line in md.splitlines()
+                if line.startswith("| 7 ") and all(w in line for w in words))
+
+
+def test_results_from_before_the_workloads_still_render():
+    data = {"model": "Llama-3.1-8B-Instruct", "engines": 3, "run": RUN,
             "workload": {**PROF, "single_num": 32, "single_prompt_len": 512},
             "modes": {"static": _mode(2000.0, 8000.0, 1000.0, 1500.0, "/stock"),
                       "shared": _mode(400.0, 1500.0, 1200.0, 1470.0),
                       "kvcached": _mode(500.0, 2000.0, 1100.0, 1400.0, "/stock")}}
     md = render_results({"items": {"sharing": data}})
-    row = next(line for line in md.splitlines() if "peaks: TTFT mean" in line)
-    assert "| 0.200 | <= 0.5 | pass |" in row
-    single = next(line for line in md.splitlines() if "one engine busy" in line)
-    assert "| 0.980 | >= 0.97 | pass |" in single
+    assert "| 0.200 | <= 0.5 | pass |" in _row(md, "peak: TTFT mean", "shared VMM / static")
+    assert "| 0.980 | >= 0.97 | pass |" in _row(md, "one engine busy: output")
+    assert "| 0.800 | <= 1.0 | pass |" in _row(md, "shared VMM / kvcached")
     assert "shared VMM / kvcached 0.800" in md and "stock vLLM from `--stock-path`" in md
     data["modes"]["kvcached"] = {"not_measured": "exit 1: no kvcached"}
     md = render_results({"items": {"sharing": data}})
@@ -98,16 +260,13 @@ def test_report_puts_the_modes_side_by_side():
 
 
 def test_the_one_engine_busy_ttft_row_needs_it_in_every_measured_mode():
-    run = {"date": "d", "vllm": "0.21.0", "torch": "t", "python": "3.12", "cpu_count": 16,
-           "command": "python3 scripts/bench/bench.py --items sharing", "gpu": "GPU",
-           "device": "cuda"}
     modes = {"static": _mode(2000.0, 8000.0, 1000.0, 1500.0, "/stock"),
              "shared": _mode(400.0, 1500.0, 1200.0, 1470.0)}
     for m, ttft in zip(modes.values(), (300.0, 450.0)):
         m["single_ttft_mean_ms"] = {"median": ttft, "min": ttft, "max": ttft, "runs": [ttft]}
-    data = {"model": "Llama-3.1-8B-Instruct", "engines": 3, "run": run, "modes": modes}
+    data = {"model": "Llama-3.1-8B-Instruct", "engines": 3, "run": RUN, "modes": modes}
     md = render_results({"items": {"sharing": data}})
-    row = next(line for line in md.splitlines() if "one engine busy: TTFT mean" in line)
+    row = _row(md, "one engine busy: TTFT mean")
     assert "| 300.0 [300.0..300.0] | 450.0 [450.0..450.0] | 1.500 |" in row
     # Results from before the statistic was recorded: no row, no error.
     del modes["static"]["single_ttft_mean_ms"]
@@ -115,13 +274,308 @@ def test_the_one_engine_busy_ttft_row_needs_it_in_every_measured_mode():
     assert "one engine busy: TTFT mean" not in md and "one engine busy: output" in md
 
 
-def test_sharing_modes_run_in_the_order_given():
-    from bench_items import sharing_modes
+def test_sharing_modes_run_in_the_order_given_then_reversed():
+    from bench_items import sharing_modes, sharing_order
 
-    assert sharing_modes(None, "cuda") == ["static", "shared", "kvcached"]
-    assert sharing_modes(None, "cpu") == ["static", "shared"]
-    assert sharing_modes("shared, kvcached,static", "cuda") == ["shared", "kvcached", "static"]
+    assert sharing_modes(None, "cuda") == ["static", "first-come", "fair", "kvcached"]
+    assert sharing_modes(None, "cpu") == ["static", "first-come", "fair"]
+    assert sharing_modes("fair, kvcached,static", "cuda") == ["fair", "kvcached", "static"]
     assert sharing_modes("shared", "cpu") == ["shared"]
-    for bad in ("shared,shared", "kvcached", "", "static,bogus"):
+    for bad in ("fair,fair", "kvcached", "", "static,bogus"):
         with pytest.raises(SystemExit, match="--sharing-modes"):
             sharing_modes(bad, "cpu")
+    modes = ["static", "first-come", "fair"]
+    assert [sharing_order(modes, r) for r in range(3)] == [modes, modes[::-1], modes]
+
+
+def _invocation(mode: str, rep: int, ttft: float, failed: int = 0, capacity=None) -> dict:
+    """bench_sharing.py's JSON of one repetition: two workloads, two engines."""
+    def run(scale: float, preempted: int) -> dict:
+        engines = {str(e): {"requests": 10, "failed": failed if e == 1 else 0,
+                            "first_error": "HTTP 500: boom" if failed and e == 1 else None,
+                            "ttft_mean_ms": ttft * scale * (e + 1),
+                            "ttft_p99_ms": 3 * ttft * scale * (e + 1),
+                            "output_tok_s": 100.0, "preemptions": preempted + e}
+                   for e in range(2)}
+        return {"requests": 20, "failed": failed, "first_error": "HTTP 500: boom" if failed
+                else None, "ttft_mean_ms": ttft * scale, "ttft_p99_ms": 4 * ttft * scale,
+                "output_tok_s": 200.0 + rep, "preemptions": 2 * preempted + 1,
+                "per_engine": engines,
+                "plan": {"ratio": 3.0, "overlaps": [0.75], "peak_requests": [5, 5],
+                         "prompt_len": 1000, "output_len": 24, "demand_ratio": 3.01}
+                if scale > 1 else {}}
+
+    return {"mode": mode, "first_rep": rep, "health_s": [10.0, 11.0],
+            "runs": [{"rep": rep, "workloads": {"peak": run(1, 0), "over3": run(2, rep)}}],
+            "single": [{"output_tok_s": 1000.0 + rep, "ttft_mean_ms": 50.0, "failed": 0},
+                       {"output_tok_s": 1100.0 + rep, "ttft_mean_ms": 60.0, "failed": 0}],
+            "engine_deaths": {"1": "engine 1 died (exit status 1); log x: ValueError"}
+            if failed else {},
+            "engine": {"kv_cache_vmm_shared": mode != "static"}, "env": {},
+            "python_path": None, "profile": {**bs.PROFILES["cuda"]}, "kv_bytes_per_token": 4,
+            "kv_capacity_bytes": capacity, "capacity_source": "measured" if capacity else None}
+
+
+def test_a_modes_repetitions_are_aggregated_with_their_raw_figures():
+    from bench_items import aggregate_sharing
+
+    m = aggregate_sharing([_invocation("fair", r, 100.0 * (r + 1), failed=r) for r in range(3)])
+    assert m["repetitions"] == [0, 1, 2]
+    over = m["workloads"]["over3"]
+    assert over["reps"] == [0, 1, 2]
+    assert over["ttft_mean_ms"] == {"median": 400.0, "min": 200.0, "max": 600.0,
+                                    "runs": [200.0, 400.0, 600.0]}
+    assert over["ttft_p99_ms"]["median"] == 1600.0
+    assert over["output_tok_s_runs"] == [200.0, 201.0, 202.0]
+    assert over["failed_runs"] == [0, 1, 2] and over["failed_total"] == 3
+    assert over["first_error"] == "repetition 1: HTTP 500: boom"
+    assert over["preemptions_runs"] == [1, 3, 5] and over["plan"][0]["ratio"] == 3.0
+    e1 = over["per_engine"]["1"]
+    assert e1["ttft_mean_ms"]["runs"] == [400.0, 800.0, 1200.0]
+    assert e1["preemptions_runs"] == [1, 2, 3] and e1["failed_total"] == 3
+    assert m["single_output_tok_s"]["runs"] == [1000.0, 1100.0, 1001.0, 1101.0, 1002.0, 1102.0]
+    assert m["health_s"] == [10.0, 11.0] * 3
+    assert len(m["engine_deaths"]) == 2 and m["engine_deaths"][0].startswith("repetition 1")
+    # A workload none of whose requests completed in a repetition: None there, no error.
+    inv = _invocation("fair", 0, 100.0)
+    inv["runs"][0]["workloads"]["peak"].update(ttft_mean_ms=None, ttft_p99_ms=None,
+                                               output_tok_s=None)
+    m = aggregate_sharing([inv, _invocation("fair", 1, 300.0)])
+    assert m["workloads"]["peak"]["ttft_mean_ms"]["runs"] == [300.0]
+
+
+def _measured(ttft: float, failed: int = 0, path=None) -> dict:
+    from bench_items import aggregate_sharing
+
+    m = aggregate_sharing([_invocation("x", r, ttft * (1 + r / 10), failed=failed)
+                           for r in range(3)])
+    return m | {"python_path": path}
+
+
+def test_report_compares_fair_and_first_come_with_the_static_split_per_workload():
+    modes = {"static": _measured(1000.0, path="/stock"), "first-come": _measured(400.0),
+             "fair": _measured(300.0), "kvcached": {"not_installed": "kvcached is not "
+                                                     "importable by the servers' Python"}}
+    data = {"model": "Llama-3.1-8B-Instruct", "engines": 2, "run": RUN, "modes": modes,
+            "workload": {**bs.PROFILES["cuda"]}, "seed": 5, "order": ["static 1", "fair 1"],
+            "kv_capacity": {"bytes": 20 << 30, "source": "measured by the static engines"},
+            "kv_bytes_per_token": 131072}
+    md = render_results({"items": {"sharing": data}})
+    # fair / static, the spread over the paired repetitions (equal here).
+    row = _row(md, "over3 (peaks 3.01x the KV capacity", "TTFT mean", "fair shared / static")
+    assert "| 0.300 [0.300..0.300], n=3 | <= 0.5 | pass |" in row
+    assert "| <= 0.5 | pass |" in _row(md, "over3", "TTFT p99", "fair shared / static")
+    assert "| 0.400 [0.400..0.400], n=3 |" in _row(md, "over3", "TTFT mean",
+                                                    "first-come shared / static")
+    assert "| 0.750 [0.750..0.750], n=3 | < 1.0 | pass |" in _row(
+        md, "over3", "fair / first-come")
+    # On the peak workload the p99 has no target (the mean has), and no fair/first-come row.
+    assert "|  |  |" in _row(md, "peak:", "TTFT p99", "fair shared / static")
+    assert not any("peak: TTFT p99 (ms), fair / first-come" in line for line in md.splitlines())
+    assert "| 0 | 0 |  | <= 0 | pass |" in _row(md, "over3", "requests failed, fair shared")
+    assert "| >= 0.97 |" in _row(md, "one engine busy: output tokens/s")
+    assert "not installed: kvcached is not importable" in _row(md, "kvcached")
+    assert "KV capacity 20.00 GiB (measured by the static engines" in md
+    assert "seed 5, modes in the order static 1, fair 1" in md
+    # Per repetition: failed requests and preemptions of every mode, per engine TTFT.
+    detail = next(line for line in md.splitlines() if line.startswith("- 7") and "over3, per "
+                  "repetition" in line)
+    assert "fair shared: failed 0/0/0 of 20/20/20 requests, preemptions 1/3/5" in detail
+    # kvcached beside them: against the static split on every workload, and fair against
+    # it on the peaks (no worse).
+    modes["kvcached"] = _measured(500.0)
+    md = render_results({"items": {"sharing": data}})
+    assert "| 0.500 [0.500..0.500], n=3 |" in _row(md, "over3", "TTFT p99", "kvcached / static")
+    assert "| 0.600 [0.600..0.600], n=3 | <= 1.0 | pass |" in _row(
+        md, "peak: TTFT mean", "fair shared / kvcached")
+    # Fair with failed requests (and a dead engine) fails its row, with the error shown.
+    modes["fair"] = _measured(300.0, failed=2)
+    md = render_results({"items": {"sharing": data}})
+    assert "| 0 | 6 |  | <= 0 | FAIL |" in _row(md, "over3", "requests failed, fair shared")
+    assert "first error, repetition 0: HTTP 500: boom" in md
+    assert "fair shared: an engine died, repetition 0: engine 1 died" in md
+    # Fair no better than first-come at p99: FAIL.
+    modes["first-come"] = _measured(300.0)
+    md = render_results({"items": {"sharing": data}})
+    assert "| 1.000 [1.000..1.000], n=3 | < 1.0 | FAIL |" in _row(md, "over3",
+                                                                  "fair / first-come")
+
+
+class StandInSharing:
+    """Runner for item 7 without servers: each bench_sharing.py command writes the JSON that
+    the mode's figures make (fair 300 ms, first-come 400, static 1000); the static engines
+    measure the KV capacity. Records the commands; a mode in ``fail`` fails."""
+
+    def __init__(self, tmp_path: Path, fail: str = "") -> None:
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir()
+        self.env = {"PATH": os.environ["PATH"]}
+        self.failures: list[str] = []
+        self.cmds: list[list[str]] = []
+        self.fail = fail
+
+    def run(self, name: str, cmd: list[str], log: Path, timeout: float) -> str | None:
+        self.cmds.append(cmd)
+        arg = {cmd[i]: cmd[i + 1] for i in range(2, len(cmd) - 1) if cmd[i].startswith("--")}
+        mode, rep = arg["--mode"], int(arg["--first-rep"])
+        if mode == self.fail:
+            self.failures.append(f"{name}: exit status 1")
+            return "exit status 1; log x: RuntimeError: boom"
+        ttft = {"static": 1000.0, "first-come": 400.0, "fair": 300.0}[mode]
+        measured = 20 << 30 if "--kv-capacity-bytes" not in arg else None
+        Path(arg["--json"]).write_text(json.dumps(_invocation(mode, rep, ttft,
+                                                              capacity=measured)))
+        return None
+
+
+def _sharing_prof(repeats: int = 3) -> dict:
+    return {"sharing": {"model": "tiny-llama", "engines": 2, "repeats": repeats,
+                        "timeout_s": 60}}
+
+
+def test_the_item_interleaves_the_modes_and_passes_the_measured_capacity_on(tmp_path,
+                                                                            monkeypatch):
+    import bench_items
+
+    monkeypatch.setattr(bs, "kvcached_missing", lambda env: "not importable")
+    runner = StandInSharing(tmp_path)
+    r = bench_items.item_sharing(runner, _sharing_prof(), tmp_path, "cuda", None, [], None,
+                                 {"seed": 4, "weights": "1,2"})
+    order = [(c[c.index("--mode") + 1], c[c.index("--first-rep") + 1]) for c in runner.cmds]
+    assert order == [("static", "0"), ("first-come", "0"), ("fair", "0"),
+                     ("fair", "1"), ("first-come", "1"), ("static", "1"),
+                     ("static", "2"), ("first-come", "2"), ("fair", "2")]
+    # The first process measured the capacity; every later one replays it.
+    assert all("--kv-capacity-bytes" not in c for c in runner.cmds[:1])
+    assert all(c[c.index("--kv-capacity-bytes") + 1] == str(20 << 30) for c in runner.cmds[1:])
+    assert all(c[c.index("--workloads") + 1] == "peak,over1.5,over3"
+               and c[c.index("--seed") + 1] == "4" and c[c.index("--weights") + 1] == "1,2"
+               and c[c.index("--single-rounds") + 1] == "2" for c in runner.cmds)
+    assert r["kv_capacity"]["bytes"] == 20 << 30 and "static" in r["kv_capacity"]["source"]
+    # A missing kvcached that nobody named: recorded, not a failure of the run.
+    assert r["modes"]["kvcached"] == {"not_installed": "not importable"}
+    assert runner.failures == []
+    assert r["modes"]["fair"]["workloads"]["over3"]["reps"] == [0, 1, 2]
+    md = render_results({"items": {"sharing": r | {"run": RUN}}})
+    assert "| 0.300 [0.300..0.300], n=3 | <= 0.5 | pass |" in _row(md, "over3", "TTFT mean",
+                                                                   "fair shared / static")
+
+
+def test_the_item_records_a_named_missing_kvcached_and_a_failed_mode(tmp_path, monkeypatch):
+    import bench_items
+
+    monkeypatch.setattr(bs, "kvcached_missing", lambda env: "not importable")
+    runner = StandInSharing(tmp_path, fail="first-come")
+    r = bench_items.item_sharing(runner, _sharing_prof(2), tmp_path, "cuda", None, [],
+                                 "static,first-come,fair,kvcached", {})
+    assert r["modes"]["kvcached"] == {"not_installed": "not importable"}
+    assert runner.failures == ["sharing: kvcached: not installed: not importable",
+                               "sharing: first-come 1: exit status 1"]
+    # The failed mode ran no more; the others ran every repetition.
+    assert r["modes"]["first-come"]["not_measured"].startswith("repetition 1: exit status 1")
+    assert len([c for c in runner.cmds if "first-come" in c]) == 1
+    assert r["modes"]["fair"]["repetitions"] == [0, 1]
+
+
+def test_bench_checks_the_sharing_options_before_anything_runs(monkeypatch):
+    import argparse
+
+    import bench
+
+    monkeypatch.setattr(bs, "kvcached_missing", lambda env: "kvcached is not importable")
+
+    def args(**kw) -> argparse.Namespace:
+        base = {"sharing_modes": None, "sharing_workloads": None, "sharing_kv_capacity": None,
+                "sharing_repeats": None, "sharing_seed": 0, "sharing_weights": None,
+                "quick": False, "kvcached_env": [], "stock_path": None}
+        return argparse.Namespace(**(base | kw))
+
+    opts = bench.sharing_arguments(args(), "cuda", {})
+    assert opts["workloads"] == "peak,over1.5,over3" and opts["kv_capacity_bytes"] is None
+    assert bench.sharing_arguments(args(sharing_kv_capacity="20GiB"), "cpu",
+                                   {})["kv_capacity_bytes"] == 20 << 30
+    seen: list[dict] = []
+    monkeypatch.setattr(bs, "kvcached_missing",
+                        lambda env: seen.append(env) or "kvcached is not importable")
+    with pytest.raises(SystemExit, match="names kvcached, but kvcached is not importable"):
+        bench.sharing_arguments(args(sharing_modes="static,kvcached", stock_path="/stock",
+                                     kvcached_env=["LD_PRELOAD=/x.so"]), "cuda",
+                                {"PYTHONPATH": "/site"})
+    # Looked for with the servers' PYTHONPATH and environment.
+    assert seen == [{"PYTHONPATH": os.pathsep.join(["/stock", "/site"]),
+                     "LD_PRELOAD": "/x.so"}]
+    with pytest.raises(SystemExit, match="kvcached cannot measure"):
+        bench.sharing_arguments(args(sharing_modes="kvcached,static"), "cuda", {})
+    # Given a capacity, kvcached may go first (found installed here).
+    monkeypatch.setattr(bs, "kvcached_missing", lambda env: None)
+    bench.sharing_arguments(args(sharing_modes="kvcached,static", sharing_kv_capacity="1GiB"),
+                            "cuda", {})
+    for bad in ({"sharing_workloads": "over"}, {"sharing_kv_capacity": "lots"},
+                {"sharing_weights": "1,2,3,4"}, {"sharing_repeats": 0}):
+        with pytest.raises(SystemExit):
+            bench.sharing_arguments(args(**bad), "cuda", {})
+
+
+def test_kvcached_is_looked_for_on_the_servers_python_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    why = bs.kvcached_missing(env)
+    assert why is not None and "not importable" in why and "--stock-path" in why
+    # A package of that name on the servers' PYTHONPATH (not imported: only found).
+    (tmp_path / "kvcached").mkdir()
+    (tmp_path / "kvcached" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    assert bs.kvcached_missing(env | {"PYTHONPATH": str(tmp_path)}) is None
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--repeats", "0"], "--repeats 0: give 1 or more"),
+    (["--engines", "0"], "--engines 0: give 1 or more"),
+    (["--first-rep", "-1"], "--first-rep -1: give 0 or more"),
+    (["--kv-capacity-bytes", "0"], "--kv-capacity-bytes 0: give a positive size"),
+    (["--workloads", "over"], "workload 'over'"),
+    (["--weights", "1,0,1"], "--weights '1,0,1': give 3 positive numbers"),
+    (["--set", "bogus=1"], "--set bogus: not a profile value"),
+])
+def test_bench_sharing_refuses_bad_arguments_before_starting_a_server(tmp_path, bad, message):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+         "vocab_size": 4096, "torch_dtype": "bfloat16"}))
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/bench_sharing.py"),
+                           "--mode", "fair", "--model", str(tmp_path), "--json",
+                           str(tmp_path / "out.json"), *bad],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.json").exists() and not list(tmp_path.glob("sharing-*.log"))
+
+
+def test_the_capacity_is_asked_for_again_until_the_engines_publish_it():
+    """A real HTTP /metrics that lacks the ledger's capacity twice, then shows it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    answers = ["vllm:other 1\n", "vllm:other 1\n", METRICS]
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = (answers.pop(0) if len(answers) > 1 else answers[0]).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = SimpleNamespace(port=httpd.server_address[1])
+        assert bs.measure_capacity("fair", [server], 100, wait_s=10)[0] == 25_000_000_000
+        assert answers == [METRICS]
+        # Never published: the error after the wait.
+        answers[:] = ["vllm:other 1\n"]
+        with pytest.raises(SystemExit, match="no ledger capacity"):
+            bs.measure_capacity("fair", [server], 100, wait_s=1.5)
+    finally:
+        httpd.shutdown()

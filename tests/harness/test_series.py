@@ -665,3 +665,108 @@ def _sha(project: Project, version: str) -> str:
 
     return hashlib.sha256((project.root / "cache" / f"vllm-{version}.tar.gz").read_bytes()
                           ).hexdigest()
+
+
+def test_export_puts_a_test_with_the_patch_that_names_it(project: Project):
+    _overlay(project, {**NEWPKG, "tests/newpkg/test_late.py": "from vllm.newpkg import base\n"})
+    # A: a CI step that names the base's test: the library patch, with what the test needs.
+    project.run("apply.py", "--version", V1)
+    _commit(project, V1, {".buildkite/steps.yaml": "steps:\n  - source_file_dependencies:\n"
+                          "    - tests/newpkg/test_base.py\n"},
+            "[CI] A wires the base's tests\n\nBody.\n\nSigned-off-by: T <t@example.com>\n")
+    add_patch(project, V1, "vllm/core.py", "def f9(x):\n",
+              "def f9(x):\n    from vllm.newpkg.mod import f  # noqa: F401\n", "[Core] B mod")
+    add_patch(project, V1, "vllm/core.py", "return x + 3\n", "return x + 30\n", "[Core] C")
+    series = project.patches / f"v{V1}" / "series"
+    names = [n for n in series.read_text().splitlines() if n and not n.startswith("#")]
+    # C gives the late test its feature: the series' notes say so.
+    series.write_text(f"# Tests of {names[2]}: tests/newpkg/test_late.py\n"
+                      + series.read_text())
+    project.run("apply.py", "--version", V1)
+    proc, files = _export(project)
+    assert _files_in(files[0]) == [
+        ".buildkite/steps.yaml", "tests/newpkg/__init__.py", "tests/newpkg/conftest.py",
+        "tests/newpkg/test_base.py", "tests/newpkg/utils.py", "vllm/newpkg/__init__.py",
+        "vllm/newpkg/base.py"], proc.stdout
+    assert _files_in(files[1]) == ["tests/newpkg/test_mod.py", "vllm/core.py",
+                                   "vllm/newpkg/mod.py"]
+    assert _files_in(files[2]) == ["tests/newpkg/test_late.py", "vllm/core.py"]
+    # A note that names what the series does not have stops the export.
+    series.write_text(series.read_text().replace("test_late.py", "test_gone.py"))
+    project.run("apply.py", "--version", V1)
+    proc, files = _export(project, check=False)
+    assert proc.returncode == 1 and "tests/newpkg/test_gone.py is not a test file" in proc.stderr
+
+
+def test_export_sends_a_release_variant_of_an_overlay_file(project: Project):
+    probing = "import importlib\n\n\ndef plan():\n    try:\n        return importlib.import_module" \
+              "('vllm.new')\n    except ImportError:\n        return None\n"
+    _overlay(project, {"vllm/newpkg/__init__.py": "", "vllm/newpkg/kv_compat.py": probing})
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    from vllm.newpkg.kv_compat import plan  # noqa: F401\n", "[Core] A")
+    variant = project.patches / f"v{V1}" / "export" / "vllm" / "newpkg" / "kv_compat.py"
+    variant.parent.mkdir(parents=True)
+    variant.write_text("def plan():\n    return None\n")
+    proc, files = _export(project)
+    text = files[0].read_text()
+    assert "+def plan():\n+    return None\n" in text and "ImportError" not in text, text
+    assert f"exported as patches/v{V1}/export/vllm/newpkg/kv_compat.py" in proc.stdout
+    # The build tree keeps the overlay's file (every release's tests run it).
+    assert "ImportError" in (project.tree(V1) / "vllm/newpkg/kv_compat.py").read_text()
+    # A variant of no overlay file stops the export.
+    (variant.parent / "gone.py").write_text("")
+    proc, files = _export(project, check=False)
+    assert proc.returncode == 1 and "vllm/newpkg/gone.py" in proc.stderr
+
+
+def _public_functions(text: str) -> dict[str, list[str]]:
+    import ast
+
+    return {n.name: [a.arg for a in n.args.args] for n in ast.parse(text).body
+            if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+
+
+def test_release_variants_keep_the_interface_and_probe_nothing():
+    """patches/vX/export/<path> is what the export of vX sends instead of the overlay's
+    <path>: the same functions, with that release's behaviour and no probe of others."""
+    import ast
+
+    variants = sorted(ROOT.glob("patches/v*/export/**/*.py"))
+    assert variants, "no release variant to check"
+    for variant in variants:
+        release_dir = next(d for d in variant.parents if d.parent.name == "patches")
+        rel = variant.relative_to(release_dir / "export").as_posix()
+        overlay = ROOT / "vllm_overlay" / rel
+        assert overlay.is_file(), rel
+        text = variant.read_text()
+        assert _public_functions(text) == _public_functions(overlay.read_text()), rel
+        probes = []
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+                    "getattr", "hasattr"):
+                probes.append(f"line {node.lineno}: {node.func.id}()")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    a.name == "importlib" for a in node.names):
+                probes.append(f"line {node.lineno}: importlib")
+            elif isinstance(node, ast.ExceptHandler) and node.type is not None and \
+                    ast.unparse(node.type) in ("ImportError", "AttributeError",
+                                               "ModuleNotFoundError"):
+                probes.append(f"line {node.lineno}: except {ast.unparse(node.type)}")
+        assert not probes, f"{variant}: {probes}"
+
+
+def test_export_leaves_out_a_test_that_needs_a_topic_the_release_does_not_carry(project: Project):
+    # The test needs a shared module a patch uses and a package no patch uses (a compat
+    # helper and VMM KV on 0.18.1): without the package it cannot run, so it is left out.
+    _overlay(project, {
+        "vllm/shared.py": "S = 1\n",
+        "vllm/newpkg/__init__.py": "X = 1\n",
+        "tests/newpkg/__init__.py": "",
+        "tests/newpkg/test_both.py": "from vllm.newpkg import X\nfrom vllm.shared import S\n",
+    })
+    add_patch(project, V1, "vllm/core.py", "def f5(x):\n",
+              "def f5(x):\n    from vllm.shared import S  # noqa: F401\n", "[Core] A")
+    proc, files = _export(project)
+    assert _files_in(files[0]) == ["vllm/core.py", "vllm/shared.py"], proc.stdout
+    assert "not exported: tests/newpkg/test_both.py (needs files this release does not " \
+           "carry)" in proc.stdout

@@ -203,3 +203,13 @@ def test_prometheus_shows_the_device_ledger():
         )
         is None
     )
+
+
+@requires_kv_page_stats
+def test_the_default_block_pool_reports_no_pages():
+    # The scheduler asks every block pool for its page counters: the default
+    # pool has none, and its scheduler stats carry none.
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
+    assert pool.make_page_stats() is None

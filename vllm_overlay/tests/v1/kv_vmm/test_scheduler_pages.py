@@ -4,7 +4,7 @@
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring, vllm_reports_kv_page_stats
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -418,10 +418,6 @@ def test_the_default_block_pool_has_no_pages():
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
     assert pool.take_page_ops() is None
     assert pool.page_step_due_in() is None
-    with pytest.raises(ValueError, match="--kv-cache-memory-backend vmm"):
-        pool.set_page_limit(max_pages=2)
-    if vllm_reports_kv_page_stats():
-        assert pool.make_page_stats() is None
 
 
 def test_ahead_blocks_of_an_idle_pool_are_not_mapped_back():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_kv_page_stats, requires_vmm_kv_wiring
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_vmm.pages import KVPagePolicy
@@ -81,8 +81,6 @@ def _paged_scheduler(model_dir, monkeypatch, shrink_delay_s: float, start: float
     return scheduler, pool, now
 
 
-# Reads the page counters from the scheduler stats (the metrics patch).
-@requires_kv_page_stats
 def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     scheduler, pool, now = _paged_scheduler(model_dir, monkeypatch, 5.0, 100.0)
     mapped = {0, 1}  # the null block's page and one headroom page
@@ -109,9 +107,7 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     # Every block handed out lies on a page the workers map before the forward.
     assert {b // BPP for b in block_ids} <= mapped
     mapped |= ahead
-    stats = scheduler.make_stats()
-    assert stats is not None and stats.kv_page_stats is not None
-    assert stats.kv_page_stats.mapped_pages == len(mapped)
+    assert pool.num_mapped_pages == len(mapped)
 
     assert scheduler.kv_page_step_due_in() is None  # blocks in use
 
@@ -136,10 +132,9 @@ def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     # Given back: no further step is needed.
     assert not scheduler.has_requests()
     assert scheduler.kv_page_step_due_in() is None
-    stats = scheduler.make_stats()
-    assert stats is not None and stats.kv_page_stats is not None
-    assert stats.kv_page_stats.mapped_pages == 2
-    assert stats.kv_page_stats.pages_unmapped_total == len(mapped) - 2
+    page_stats = pool.make_page_stats()
+    assert page_stats.mapped_pages == 2
+    assert page_stats.pages_unmapped_total == len(mapped) - 2
 
 
 def test_idle_scheduler_says_when_the_shrink_step_is_due(model_dir, monkeypatch):
@@ -172,7 +167,6 @@ def test_idle_scheduler_says_when_the_shrink_step_is_due(model_dir, monkeypatch)
     assert not scheduler.has_requests()
 
 
-@requires_kv_page_stats
 def test_default_memory_backend_is_unchanged(model_dir, monkeypatch):
     scheduler = make_scheduler(model_dir, monkeypatch, policy=None)
     assert type(scheduler.kv_cache_manager.block_pool) is BlockPool
@@ -180,5 +174,3 @@ def test_default_memory_backend_is_unchanged(model_dir, monkeypatch):
         scheduler.add_request(request)
     output = scheduler.schedule()
     assert output.kv_page_ops is None
-    stats = scheduler.make_stats()
-    assert stats is not None and stats.kv_page_stats is None
