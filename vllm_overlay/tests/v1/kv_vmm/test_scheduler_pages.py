@@ -11,7 +11,7 @@ from vllm.v1.core.kv_cache_utils import (
     KVCacheBlock,
     make_block_hash_with_group_id,
 )
-from vllm.v1.kv_vmm import scheduler as scheduler_module
+from vllm.v1.kv_vmm import pool_limits
 from vllm.v1.kv_vmm.pages import (
     KVPageOps,
     KVPagePolicy,
@@ -397,9 +397,7 @@ def test_a_limit_beyond_the_capacity_is_lowered_to_it(monkeypatch):
     pool = make_pool(num_blocks=30, max_pages=4)
     pool.policy.device_page_bytes = 8 << 20
     warnings: list[tuple] = []
-    monkeypatch.setattr(
-        scheduler_module.logger, "warning", lambda *a: warnings.append(a)
-    )
+    monkeypatch.setattr(pool_limits.logger, "warning", lambda *a: warnings.append(a))
     stats = pool.set_page_limit(max_bytes=1 << 40)
     assert pool.policy.max_pages == 8
     assert stats["kv_page_limit"] == stats["kv_page_capacity"] == 8

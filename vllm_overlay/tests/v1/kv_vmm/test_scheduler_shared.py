@@ -48,6 +48,7 @@ def make_pool(
     num_ranks: int = 2,
     ledger: KVLedgerOptions | None = None,
     ahead_blocks: int = 8,
+    reports: bool = True,
 ) -> tuple[PagedBlockPool, KVPageStatus]:
     num_pages = -(-num_blocks // BPP)
     status = create_page_status(num_pages, tag="t")
@@ -64,8 +65,10 @@ def make_pool(
         num_ranks=num_ranks,
         ledger=ledger,
     )
-    # Every rank reported its startup pages (the workers do when they start).
-    for _ in range(num_ranks):
+    # Every rank reported its startup pages (the workers do when they start);
+    # without reports, pages are handed out without them (a rank on another
+    # host).
+    for _ in range(num_ranks if reports else 0):
         status.report(initial_kv_pages(policy), [])
     pool = PagedBlockPool(
         num_gpu_blocks=num_blocks,
@@ -327,7 +330,8 @@ class _Records(logging.Handler):
 @pytest.fixture
 def scheduler_log():
     records = _Records()
-    logger = logging.getLogger("vllm.v1.kv_vmm.scheduler")
+    # The pool and its device ledgers log under the package's logger.
+    logger = logging.getLogger("vllm.v1.kv_vmm")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(records)
@@ -336,22 +340,55 @@ def scheduler_log():
     logger.setLevel(level)
 
 
-def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log):
+@pytest.mark.parametrize("reports", [True, False], ids=["reports", "no-reports"])
+def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log, reports):
     """Garbage in the ledger while the pool runs (a process that wrote half
     a file, or another tenant): the pool keeps serving with what it has
-    mapped, maps no more from the ledger (pages a step needs now excepted),
-    gives pages back, logs once, and goes on once the file is sane again."""
+    mapped, maps no more from the ledger, gives pages back, logs once, and
+    goes on once the file is sane again.
+
+    With the ranks' page reports, a page's blocks are handed out only once
+    every rank reported it mapped: the room the ledger gives shows as the
+    pages the next step message asks for when an allocation lacks blocks,
+    and while the ledger cannot be read a request that lacks blocks waits.
+    Without reports (a rank on another host), room shows as free blocks of
+    unmapped pages, and pages a step needs now are mapped even from a
+    broken ledger (the driver decides)."""
     options = KVLedgerOptions(
         devices={"host": PAGE}, capacity_bytes=16 * PAGE, name="a"
     )
-    a, status = make_pool(num_blocks=64, num_ranks=1, ledger=options)
+    a, status = make_pool(num_blocks=64, num_ranks=1, ledger=options, reports=reports)
     ledger = KVMemoryLedger("host")
     with open(ledger.path, "rb") as f:
         good = f.read()
-    held = a.get_new_blocks(a.free_block_queue.num_free_blocks)
-    status.report(a.take_page_ops().ahead, [])
+
+    def room() -> bool:
+        """Whether the ledger lets the pool map a page beyond its free
+        blocks now (with reports: the step message asks for one, which
+        every rank then reports mapped)."""
+        free = a.free_block_queue.num_free_blocks
+        if not reports:
+            return a.get_num_free_blocks() > free
+        a.ensure_free_blocks(free + 1)
+        ops = a.take_page_ops()
+        if ops is None or not ops.map + ops.ahead:
+            return False
+        status.report(ops.map + ops.ahead, [])
+        return a.get_num_free_blocks() > free  # takes the reported page in
+
+    def take_all() -> list:
+        """Every free block, and the step's refill mapped on every rank."""
+        blocks = a.get_new_blocks(a.free_block_queue.num_free_blocks)
+        status.report(a.take_page_ops().ahead, [])
+        a.get_num_free_blocks()  # takes the reported pages in
+        return blocks
+
+    held = take_all()
     a.clock.now += 1
-    assert a.get_num_free_blocks() > a.free_block_queue.num_free_blocks  # room
+    assert room()
+    # With reports, the page room() mapped is beyond a step's worth of free
+    # blocks and goes back at the next step (the shrink delay is 0).
+    a.take_page_ops()
     assert not a.take_page_ops()
     mapped = a.num_mapped_pages
     assert find(ledger, "a").mapped_bytes == mapped * PAGE
@@ -360,22 +397,26 @@ def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log):
         good[: len(good) // 2],
         good.replace(b'"mapped_bytes": ', b'"mapped_bytes": -'),
     ):
-        with open(ledger.path, "wb") as f:
-            f.write(garbage)
+        with open(ledger.path, "wb") as out:
+            out.write(garbage)
         for _ in range(5):  # steps over several seconds
             a.clock.now += 0.6
             # No growth from the ledger: only the mapped free blocks count.
+            assert not room()
             assert a.get_num_free_blocks() == a.free_block_queue.num_free_blocks
             assert a.take_page_ops() is None
+        assert a.num_mapped_pages == mapped
         problems = [m for m in scheduler_log if ledger.path in m]
         assert len(problems) == 1, scheduler_log
         assert "is not valid" in problems[0] and f"rm {ledger.path}" in problems[0]
         assert "keeps serving" in problems[0]
-        # A step that needs pages now still gets them (the driver decides),
-        # and blocks are freed and pages given back as usual.
-        held += a.get_new_blocks(a.free_block_queue.num_free_blocks + BPP)
-        ops = a.take_page_ops()
-        assert ops.map and a.num_mapped_pages == mapped + 1
+        if not reports:
+            # A step that needs pages now still gets them (the driver
+            # decides).
+            held += a.get_new_blocks(a.free_block_queue.num_free_blocks + BPP)
+            ops = a.take_page_ops()
+            assert ops.map and a.num_mapped_pages == mapped + 1
+        # Blocks are freed and pages given back as usual.
         a.free_blocks(held)
         held = []
         a.clock.now += 1
@@ -384,18 +425,16 @@ def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log):
         # The file is sane again (repaired, or removed: the engines re-create
         # it): the pool records what it maps and has room again.
         if garbage == good[: len(good) // 2]:
-            with open(ledger.path, "wb") as f:
-                f.write(good)
+            with open(ledger.path, "wb") as out:
+                out.write(good)
         else:
             os.unlink(ledger.path)
         a.clock.now += 1
-        assert a.get_num_free_blocks() > a.free_block_queue.num_free_blocks
+        assert room()
         assert find(ledger, "a").mapped_bytes == a.num_mapped_pages * PAGE
         assert any("can be used again" in m for m in scheduler_log)
         scheduler_log.clear()
-        held = a.get_new_blocks(a.free_block_queue.num_free_blocks)
-        status.report(a.take_page_ops().ahead, [])
-        a.get_num_free_blocks()  # takes the reported pages in
+        held = take_all()
         mapped = a.num_mapped_pages
     a.free_blocks(held)
     a.close()

@@ -45,29 +45,54 @@ engine on the device) to be rewritten on each change.
 import contextlib
 import fcntl
 import json
-import math
 import os
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.v1.kv_vmm import shm_files
+from vllm.v1.kv_vmm.ledger_format import (
+    _ENTRY_ID_LEN,
+    LEDGER_FORMAT,
+    MAX_LEDGER_BYTES,
+    MAX_LEDGER_ENTRIES,
+    MAX_LEDGER_FILE_BYTES,
+    MAX_NAME_CHARS,
+    MAX_SHARE_WEIGHT,
+    LedgerEntry,
+    LedgerState,
+    _check_bytes,
+    check_entry_fields,
+    find_entry,
+    parse_ledger,
+)
 from vllm.v1.kv_vmm.shm_files import FileOwner, SharedFileError
+
+__all__ = [
+    "KVMemoryLedger",
+    "LEDGER_FORMAT",
+    "LEDGER_LOCK_TIMEOUT_S",
+    "LedgerEntry",
+    "LedgerError",
+    "LedgerState",
+    "MAX_LEDGER_BYTES",
+    "MAX_LEDGER_ENTRIES",
+    "MAX_LEDGER_FILE_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_SHARE_WEIGHT",
+    "STAMP_SETTLE_S",
+    "check_entry_fields",
+    "find_entry",
+    "ledger_path",
+    "list_ledgers",
+    "parse_ledger",
+    "stamp_is_settled",
+]
 
 _PREFIX = "vllm-kv-ledger-"
 _SUFFIX = ".json"
 _LOCK_SUFFIX = ".lock"
-#: The ledger's format; another number is refused (an engine of another
-#: version of this code on the same device).
-LEDGER_FORMAT = 1
-#: Limits of a valid ledger: larger sizes, files or engine counts are
-#: garbage, not a device.
-MAX_LEDGER_BYTES = 1 << 60
-MAX_LEDGER_FILE_BYTES = 1 << 20
-MAX_LEDGER_ENTRIES = 1024
-MAX_NAME_CHARS = 256
 #: A lock held longer than this is a fault (a process stopped while it held
 #: it), reported as such instead of waiting forever.
 LEDGER_LOCK_TIMEOUT_S = 5.0
@@ -100,199 +125,6 @@ def list_ledgers(directory: str) -> list[str]:
         for n in names
         if n.startswith(_PREFIX) and n.endswith(_SUFFIX)
     )
-
-
-@dataclass
-class LedgerEntry:
-    """One engine on the device."""
-
-    id: str
-    pid: int
-    """For people to read: the engine core's pid in its own PID namespace."""
-    owner: str
-    """Liveness token of the engine's process (the entry lives while it)."""
-    name: str
-    mapped_bytes: int = 0
-    floor_bytes: int = 0
-    limit_bytes: int | None = None
-    """None: no cap but the capacity."""
-    updated: float = field(default_factory=time.time)
-
-    @property
-    def held_bytes(self) -> int:
-        """What the entry keeps from the others: its mapping or its floor."""
-        return max(self.mapped_bytes, self.floor_bytes)
-
-
-@dataclass
-class LedgerState:
-    key: str
-    capacity_bytes: int
-    entries: list[LedgerEntry]
-    capacity_fixed: bool = False
-    """The capacity was given explicitly (option or CLI): measurements of
-    starting engines do not change it."""
-    measured_by: str | None = None
-    """Liveness token of the process that measured the capacity last: the
-    ledger stays while that process lives, before its engine joins."""
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(e.held_bytes for e in self.entries)
-
-    @property
-    def free_bytes(self) -> int:
-        """Memory no engine maps or keeps as its floor."""
-        return max(self.capacity_bytes - self.held_bytes, 0)
-
-    def entry(self, entry_id: str) -> LedgerEntry | None:
-        return next((e for e in self.entries if e.id == entry_id), None)
-
-    def room(self, entry_id: str) -> int:
-        """Bytes the engine ``entry_id`` may map on top of what it maps."""
-        me = self.entry(entry_id)
-        if me is None:
-            return 0
-        others = sum(e.held_bytes for e in self.entries if e.id != entry_id)
-        room = self.capacity_bytes - others - me.mapped_bytes
-        room = max(room, me.floor_bytes - me.mapped_bytes, 0)
-        if me.limit_bytes is not None:
-            room = min(room, max(me.limit_bytes - me.mapped_bytes, 0))
-        return room
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": LEDGER_FORMAT,
-            "key": self.key,
-            "capacity_bytes": self.capacity_bytes,
-            "capacity_fixed": self.capacity_fixed,
-            "measured_by": self.measured_by,
-            "entries": [asdict(e) for e in self.entries],
-        }
-
-
-# -- validation ---------------------------------------------------------------
-
-
-class _Invalid(ValueError):
-    pass
-
-
-def _check_type(where: str, value: Any, kinds: tuple[type, ...]) -> None:
-    # bool is an int to Python, not to the ledger.
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-        raise _Invalid(f"{where} is {json.dumps(value)[:40]}, not {names}")
-
-
-def _check_bytes(where: str, value: Any, low: int) -> None:
-    _check_type(where, value, (int,))
-    if not low <= value <= MAX_LEDGER_BYTES:
-        raise _Invalid(f"{where} is {value}, not in [{low}, {MAX_LEDGER_BYTES}]")
-
-
-def _check_keys(where: str, doc: Any, keys: set[str]) -> None:
-    _check_type(where, doc, (dict,))
-    missing, unknown = keys - doc.keys(), doc.keys() - keys
-    if missing:
-        raise _Invalid(f"{where} has no {', '.join(sorted(missing))}")
-    if unknown:
-        raise _Invalid(f"{where} has unknown fields {', '.join(sorted(unknown))}")
-
-
-def _check_id(where: str, value: Any, length: int) -> None:
-    _check_type(where, value, (str,))
-    if len(value) != length or not all(c in "0123456789abcdef" for c in value):
-        raise _Invalid(f"{where} is {value[:40]!r}, not {length} hex digits")
-
-
-_ENTRY_ID_LEN = 12
-_ENTRY_FIELDS = {f for f in LedgerEntry.__dataclass_fields__}
-_STATE_FIELDS = {
-    "format",
-    "key",
-    "capacity_bytes",
-    "capacity_fixed",
-    "measured_by",
-    "entries",
-}
-
-
-def _parse_entry(i: int, doc: Any) -> LedgerEntry:
-    where = f"entries[{i}]"
-    _check_keys(where, doc, _ENTRY_FIELDS)
-    _check_id(f"{where}.id", doc["id"], _ENTRY_ID_LEN)
-    _check_type(f"{where}.pid", doc["pid"], (int,))
-    if not 0 <= doc["pid"] < 1 << 32:
-        raise _Invalid(f"{where}.pid is {doc['pid']}, not a pid")
-    _check_id(f"{where}.owner", doc["owner"], 32)
-    _check_type(f"{where}.name", doc["name"], (str,))
-    if len(doc["name"]) > MAX_NAME_CHARS:
-        raise _Invalid(f"{where}.name is longer than {MAX_NAME_CHARS} characters")
-    _check_bytes(f"{where}.mapped_bytes", doc["mapped_bytes"], 0)
-    _check_bytes(f"{where}.floor_bytes", doc["floor_bytes"], 0)
-    if doc["limit_bytes"] is not None:
-        _check_bytes(f"{where}.limit_bytes", doc["limit_bytes"], 1)
-    _check_type(f"{where}.updated", doc["updated"], (int, float))
-    if not math.isfinite(doc["updated"]) or doc["updated"] < 0:
-        raise _Invalid(f"{where}.updated is {doc['updated']}, not a time")
-    return LedgerEntry(**doc)
-
-
-def parse_ledger(raw: bytes, key: str) -> LedgerState:
-    """A ledger file's content as a :class:`LedgerState`; raises ValueError
-    naming the first field that is not valid."""
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _Invalid(f"not JSON ({e})") from None
-    except RecursionError:
-        raise _Invalid("not JSON (nested too deep)") from None
-    _check_keys("the ledger", doc, _STATE_FIELDS)
-    if doc["format"] != LEDGER_FORMAT or isinstance(doc["format"], bool):
-        raise _Invalid(
-            f"format is {json.dumps(doc['format'])[:40]}, not {LEDGER_FORMAT} "
-            "(written by another version of vLLM's KV memory ledger)"
-        )
-    if doc["key"] != key:
-        raise _Invalid(f"key is {json.dumps(doc['key'])[:40]}, not {key!r}")
-    _check_bytes("capacity_bytes", doc["capacity_bytes"], -1)
-    _check_type("capacity_fixed", doc["capacity_fixed"], (bool,))
-    if doc["measured_by"] is not None:
-        _check_id("measured_by", doc["measured_by"], 32)
-    _check_type("entries", doc["entries"], (list,))
-    if len(doc["entries"]) > MAX_LEDGER_ENTRIES:
-        raise _Invalid(f"entries has more than {MAX_LEDGER_ENTRIES} engines")
-    entries = [_parse_entry(i, e) for i, e in enumerate(doc["entries"])]
-    if len({e.id for e in entries}) != len(entries):
-        raise _Invalid("entries has two engines with one id")
-    return LedgerState(
-        key=key,
-        capacity_bytes=doc["capacity_bytes"],
-        entries=entries,
-        capacity_fixed=doc["capacity_fixed"],
-        measured_by=doc["measured_by"],
-    )
-
-
-def check_entry_fields(fields: dict[str, Any]) -> None:
-    """Refuse values of ``floor_bytes``, ``limit_bytes`` or ``name`` that
-    the ledger would not read back (ValueError naming the field)."""
-    for name, value in fields.items():
-        if name == "floor_bytes":
-            _check_bytes(name, value, 0)
-        elif name == "limit_bytes":
-            if value is not None:
-                _check_bytes(name, value, 1)
-        elif name == "name":
-            _check_type(name, value, (str,))
-            if len(value) > MAX_NAME_CHARS:
-                raise _Invalid(f"name is longer than {MAX_NAME_CHARS} characters")
-        else:
-            raise ValueError(f"cannot set {name!r} of a ledger entry")
-
-
-# -- the ledger -----------------------------------------------------------------
 
 
 class KVMemoryLedger:
@@ -495,15 +327,25 @@ class KVMemoryLedger:
         floor_bytes: int = 0,
         limit_bytes: int | None = None,
         fixed: bool = False,
+        weight: float = 1.0,
+        page_bytes: int = 1,
     ) -> str:
         """Add this engine; return its entry id.
 
         ``capacity_bytes`` is used if the ledger has no capacity yet (the
         first engine, when no starting engine measured one), or with
         ``fixed`` (an explicit size) unless an explicit size is set already.
+        ``weight`` and ``page_bytes``: its fair share's weight and its page
+        size on the device.
         """
         check_entry_fields(
-            {"floor_bytes": floor_bytes, "limit_bytes": limit_bytes, "name": name}
+            {
+                "floor_bytes": floor_bytes,
+                "limit_bytes": limit_bytes,
+                "name": name,
+                "weight": weight,
+                "page_bytes": page_bytes,
+            }
         )
         _check_bytes("capacity_bytes", capacity_bytes, 0)
         _check_bytes("mapped_bytes", mapped_bytes, 0)
@@ -515,6 +357,8 @@ class KVMemoryLedger:
             mapped_bytes=mapped_bytes,
             floor_bytes=floor_bytes,
             limit_bytes=limit_bytes,
+            weight=weight,
+            page_bytes=page_bytes,
         )
         with self._locked(create=True) as state:
             assert state is not None
@@ -570,7 +414,9 @@ class KVMemoryLedger:
 
     def update(self, entry_id: str, **fields: Any) -> LedgerEntry | None:
         """Set fields of one entry (``floor_bytes``, ``limit_bytes``,
-        ``name``); returns the entry, None if there is no such entry."""
+        ``name``, ``weight``, and what the engine publishes for the fair
+        share: ``used_bytes``, ``waiting_bytes``, ``waiting_since``); returns
+        the entry, None if there is no such entry."""
         check_entry_fields(fields)
         with self._locked(create=False) as state:
             entry = state.entry(entry_id) if state is not None else None
@@ -620,15 +466,3 @@ def stamp_is_settled(stamp: tuple[int, int, int] | None, now: float) -> bool:
     """Whether a write after ``stamp`` was taken at wall-clock time ``now``
     would change the stamp."""
     return stamp is not None and now - stamp[2] / 1e9 > STAMP_SETTLE_S
-
-
-def find_entry(state: LedgerState, ident: str) -> LedgerEntry:
-    """An entry by id, pid or name (the CLI's way of naming an engine)."""
-    found = [e for e in state.entries if ident in (e.id, str(e.pid), e.name)]
-    if len(found) != 1:
-        raise KeyError(
-            f"{'no' if not found else 'more than one'} engine named {ident!r} "
-            f"on {state.key} (give the id: "
-            f"{', '.join(e.id for e in state.entries) or 'none'})"
-        )
-    return found[0]

@@ -4,7 +4,8 @@
 
     python -m vllm.v1.kv_vmm.ledger_cli list [--key KEY] [--json]
     python -m vllm.v1.kv_vmm.ledger_cli set ENGINE --key KEY \\
-        [--limit-bytes SIZE|none] [--floor-bytes SIZE] [--group G | --user U]
+        [--limit-bytes SIZE|none] [--floor-bytes SIZE] [--weight W] \\
+        [--group G | --user U]
     python -m vllm.v1.kv_vmm.ledger_cli capacity SIZE --key KEY \\
         [--group G | --user U]
 
@@ -14,6 +15,15 @@ options read it (``human_readable_int``: ``4096``, ``512M``/``4G``: binary,
 with ``--kv-cache-vmm-shared-group G``; ``--user``: another user's ledger
 (root); default: this user's. An engine applies a lowered limit at its
 next step (free pages first, cached prefix blocks on them evicted).
+``--weight``: the engine's fair-share weight (a positive number; shares
+are proportional to it), applied at the engines' next ledger read.
+
+``list`` shows per engine what it maps, its floor and limit, its demand
+(pages with a block in use plus what its waiting requests need), how long
+its requests have waited for KV memory, its weight and its fair share of
+the capacity now (``vllm.v1.kv_vmm.fair_share.fair_shares`` of the
+entries; engines of ``--kv-cache-vmm-share-policy first-come`` are
+shown with it too, but do not act on it).
 
 Exit status: 0 done, 1 no such ledger or engine, 2 a bad argument or a
 ledger that is unsafe or not valid (one line on stderr says which and
@@ -23,16 +33,20 @@ the fix).
 import argparse
 import contextlib
 import json
+import math
 import os
 import stat
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from vllm.v1.kv_cache_compat import parse_size
 from vllm.v1.kv_vmm import shm_files
+from vllm.v1.kv_vmm.fair_share import fair_shares
 from vllm.v1.kv_vmm.ledger import (
     MAX_LEDGER_BYTES,
+    MAX_SHARE_WEIGHT,
     KVMemoryLedger,
     LedgerState,
     find_entry,
@@ -74,19 +88,52 @@ def _gib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / (1 << 30):.2f} GiB"
 
 
+def parse_weight(text: str) -> float:
+    """A fair-share weight: a positive number, at most the ledger's
+    largest."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_SHARE_WEIGHT):
+        raise UsageError(
+            f"--weight {text!r} is not a positive number (at most "
+            f"{MAX_SHARE_WEIGHT:g}); e.g. 2 gives an engine twice the share of "
+            "an engine of weight 1"
+        )
+    return value
+
+
+def state_shares(state: LedgerState) -> dict[str, int]:
+    """Each engine's fair share of the ledger's capacity now, in bytes."""
+    return fair_shares(
+        max(state.capacity_bytes, 0), [e.demand() for e in state.entries]
+    )
+
+
+def _waited(since: float | None, now: float) -> str:
+    return "-" if since is None else f"{max(now - since, 0.0):.1f} s"
+
+
 def format_state(state: LedgerState, ledger: KVMemoryLedger | None = None) -> str:
     where = ""
     if ledger is not None:
         where = f" ({ledger.owner.describe()}: {ledger.path})"
+    shares = state_shares(state)
+    now = time.monotonic()
     lines = [
         f"{state.key}: capacity {_gib(state.capacity_bytes)}, "
         f"held {_gib(state.held_bytes)}, free {_gib(state.free_bytes)}{where}",
-        f"  {'id':<12} {'pid':>8} {'mapped':>12} {'floor':>12} {'limit':>12}  name",
+        f"  {'id':<12} {'pid':>8} {'mapped':>12} {'floor':>12} {'limit':>12} "
+        f"{'demand':>12} {'waited':>8} {'weight':>7} {'share':>12}  name",
     ]
     for e in state.entries:
+        demand = e.demand().demand_bytes
         lines.append(
             f"  {e.id:<12} {e.pid:>8} {_gib(e.mapped_bytes):>12} "
-            f"{_gib(e.floor_bytes):>12} {_gib(e.limit_bytes):>12}  {e.name}"
+            f"{_gib(e.floor_bytes):>12} {_gib(e.limit_bytes):>12} "
+            f"{_gib(demand):>12} {_waited(e.waiting_since, now):>8} "
+            f"{e.weight:>7g} {_gib(shares[e.id]):>12}  {e.name}"
         )
     return "\n".join(lines)
 
@@ -163,7 +210,11 @@ def _list(args: argparse.Namespace, directory: str | None) -> int:
             if state is None:
                 continue
             owner_doc = {"path": ledger.path, "owner": ledger.owner.describe()}
-            docs.append({**state.to_json(), **owner_doc})
+            doc = state.to_json()
+            shares = state_shares(state)
+            for entry in doc["entries"]:
+                entry["share_bytes"] = shares[entry["id"]]
+            docs.append({**doc, **owner_doc})
             texts.append(format_state(state, ledger))
         # Reports of engines that died go too (sweep by liveness lock).
         with contextlib.suppress(OSError):
@@ -191,7 +242,7 @@ def _run(args: argparse.Namespace, directory: str | None) -> int:
             )
             return 1
         return 0
-    fields: dict[str, int | None] = {}
+    fields: dict[str, float | None] = {}
     if args.limit_bytes is not None:
         none = args.limit_bytes.strip().lower() == "none"
         fields["limit_bytes"] = (
@@ -199,8 +250,10 @@ def _run(args: argparse.Namespace, directory: str | None) -> int:
         )
     if args.floor_bytes is not None:
         fields["floor_bytes"] = parse_bytes(args.floor_bytes, "--floor-bytes")
+    if args.weight is not None:
+        fields["weight"] = parse_weight(args.weight)
     if not fields:
-        raise UsageError("set: give --limit-bytes or --floor-bytes")
+        raise UsageError("set: give --limit-bytes, --floor-bytes or --weight")
     state = ledger.read()
     if state is None:
         print(f"no KV memory ledger for {args.key} ({ledger.path})", file=sys.stderr)
@@ -222,10 +275,13 @@ def main(argv: Sequence[str] | None = None, directory: str | None = None) -> int
     p_list = sub.add_parser("list", help="every engine of every (or one) ledger")
     p_list.add_argument("--key", help="device UUID, or 'host'")
     p_list.add_argument("--json", action="store_true")
-    p_set = sub.add_parser("set", help="an engine's limit and floor, in bytes")
+    p_set = sub.add_parser(
+        "set", help="an engine's limit and floor, in bytes, and its weight"
+    )
     p_set.add_argument("engine", help="entry id, pid or name")
     p_set.add_argument("--limit-bytes", help="SIZE (at least 1), or none")
     p_set.add_argument("--floor-bytes", help="SIZE (0 or more)")
+    p_set.add_argument("--weight", help="fair-share weight (a positive number)")
     p_cap = sub.add_parser("capacity", help="the KV memory the engines share")
     p_cap.add_argument("size", help="SIZE (0 or more)")
     for p in (p_set, p_cap):

@@ -1,388 +1,84 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What the scheduler and the workers agree on for VMM-backed KV memory.
+"""The page policy of an engine: its page size, limits and device ledgers,
+made once by the engine core for the scheduler and every rank.
 
-The engine core fixes one :class:`KVPagePolicy` for every rank and the
-scheduler before anything is allocated, so a page id means the same block
-ids everywhere. The scheduler sends :class:`KVPageOps` in each step message;
-every TP and PP rank applies them to its own shard of the KV memory: the
-pages the step itself needs before its forward pass, the pages mapped ahead
-of demand right after the forward pass is launched, so the driver calls
-overlap the device's work (on the step's thread, or, where the scheduler
-waits for every rank's report of them, on a thread of their own). No rank
-guesses the world size.
+The types the scheduler and the workers agree on live in
+:mod:`vllm.v1.kv_vmm.page_policy`, the KV tensor layout in
+:mod:`vllm.v1.kv_vmm.kv_layout`; both are importable from here too.
 """
 
-import copy
 import math
 import os
 from argparse import ArgumentTypeError
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_compat import kv_tensors_share_one_backing, parse_size
-from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
+from vllm.v1.kv_cache_compat import parse_size
+from vllm.v1.kv_vmm.geometry import KVPageGeometry
+from vllm.v1.kv_vmm.kv_layout import (
+    KV_SPLIT_REGIONS,
+    KVBackingTensor,
+    kv_backing_layout,
+    kv_page_geometry,
+    kv_tensor_layouts,
+    verify_vmm_kv_config,
+    virtual_kv_cache_config,
+)
+from vllm.v1.kv_vmm.page_policy import (
+    HOST_DEVICE_KEY,
+    KV_PAGE_GRANULARITY,
+    KV_PAGE_MIN_CHUNK_BYTES,
+    KV_PAGE_MIN_COUNT,
+    KVLedgerOptions,
+    KVPageOps,
+    KVPagePolicy,
+    KVPageShrinkPolicy,
+    KVPageStats,
+    KVShareOptions,
+    KVSharePolicy,
+    KVVmmOptions,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig, SchedulerConfig
+    from vllm.config import SchedulerConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(__name__)
 
-#: Granularity of the page arithmetic. 2 MiB is the host backend's default
-#: and the CUDA VMM granularity of current data-center GPUs; the worker
-#: refuses a backend whose granularity does not divide it.
-KV_PAGE_GRANULARITY = 2 << 20
 
-#: Smallest physical allocation per KV tensor region that pages are sized for
-#: on CUDA when --kv-cache-vmm-page-bytes is not given: one granule, so a page
-#: is the smallest unit every rank can map (128 MiB for Llama-3.1-8B, 144 MiB
-#: for Qwen3-8B at 16-token blocks). The driver's cost is per call, not per
-#: byte (cuMemCreate + cuMemMap + cuMemSetAccess, about 65 us per 2 MiB
-#: allocation on an H100), and it stays off the critical path because pages
-#: are mapped ahead of demand behind the forward pass (KVPagePolicy.
-#: ahead_blocks); a larger floor trades elasticity (an idle engine keeps the
-#: null block's page and the headroom) for fewer calls.
-KV_PAGE_MIN_CHUNK_BYTES = KV_PAGE_GRANULARITY
-
-#: ... but automatic sizing keeps at least this many pages in the KV budget,
-#: so a small KV cache stays elastic.
-KV_PAGE_MIN_COUNT = 16
-
-KVPageShrinkPolicy = Literal["idle", "never"]
-
-#: The ledger key of the host backend's memory (every rank of a CPU engine).
-HOST_DEVICE_KEY = "host"
-
-
-class KVVmmOptions(Protocol):
-    """What VMM-backed KV memory reads of vLLM's ``CacheConfig``: the options
-    the VMM patch adds to it (``--kv-cache-memory-backend``,
-    ``--kv-cache-vmm-*``) and ``--gpu-memory-utilization``.
-
-    The patch passes its ``CacheConfig``, which the type checker matches
-    field by field against this protocol; these modules are the same on
-    every release, including releases that carry them without the patch
-    (and whose ``CacheConfig`` has none of these fields).
-
-    Byte sizes are bytes of KV memory per device (see
-    :attr:`KVPagePolicy.device_page_bytes`).
-    """
-
-    gpu_memory_utilization: float
-    kv_cache_memory_backend: Literal["default", "vmm"]
-    kv_cache_vmm_headroom_pages: int
-    kv_cache_vmm_page_bytes: int | None
-    kv_cache_vmm_max_pages: int | None
-    kv_cache_vmm_shrink: KVPageShrinkPolicy
-    kv_cache_vmm_shrink_delay: float
-    kv_cache_vmm_shared: bool
-    kv_cache_vmm_shared_bytes: int | None
-    kv_cache_vmm_floor_bytes: int | None
-    kv_cache_vmm_limit_bytes: int | None
-    kv_cache_vmm_shared_group: str | None
-
-
-@dataclass
-class KVPagePolicy:
-    """Page size and physical budget shared by the scheduler and all ranks."""
-
-    granularity: int
-    blocks_per_page: int
-    """Block ids per page, the same on every rank (a multiple of each rank's
-    own smallest mappable unit)."""
-    max_pages: int
-    """Physical limit in pages; may change at runtime."""
-    headroom_pages: int = 1
-    """Free mapped pages the scheduler keeps ahead of demand."""
-    shrink: KVPageShrinkPolicy = "idle"
-    shrink_delay_s: float = 10.0
-    """With shrink "idle": seconds the pool must stay idle before free pages
-    beyond the headroom are given back (0 = at once)."""
-    device_page_bytes: int = 0
-    """Bytes one page takes on the device that holds the most of this
-    engine's KV memory (0 when unknown): with one rank per GPU, the largest
-    rank's share; where several ranks share a device (the host backend's
-    ``host``), the sum of theirs. The unit of every byte figure of VMM-backed
-    KV memory (the options, the runtime limit, the page counters, the
-    metrics, and each device's ledger): a limit of ``n`` bytes is
-    ``n // device_page_bytes`` pages."""
-    ahead_blocks: int = 0
-    """Free blocks the scheduler keeps mapped while requests run: the most
-    one step can allocate, so that a step never waits for a page map in
-    steady state (see :func:`kv_step_blocks`). At least the headroom."""
-
-    page_status_path: str | None = None
-    """Pages are handed out only once every rank reported them mapped in this
-    file (:mod:`vllm.v1.kv_vmm.page_status`; set by the engine core). None,
-    or a rank that cannot open it (another host): pages mapped ahead from
-    the next step on, as the workers map them in order."""
-    num_ranks: int = 1
-    """Ranks that report each page (with :attr:`page_status_path`)."""
-    ledger: "KVLedgerOptions | None" = None
-    """The device ledgers this engine joins (``--kv-cache-vmm-shared``)."""
-
-    @property
-    def ahead_pages(self) -> int:
-        """Pages that hold :attr:`ahead_blocks` (the headroom at least)."""
-        pages = -(-self.ahead_blocks // self.blocks_per_page)
-        return max(self.headroom_pages, pages)
-
-
-@dataclass
-class KVLedgerOptions:
-    """How an engine shares its devices' KV memory with other engines
-    (:mod:`vllm.v1.kv_vmm.ledger`)."""
-
-    devices: dict[str, int]
-    """Ledger key (device UUID, or ``host``) -> bytes one page takes there."""
-    capacity_bytes: int | None = None
-    """KV memory the engines of a device share, if this engine creates its
-    ledger; None: this engine's own budget."""
-    floor_bytes: int | None = None
-    """Memory reserved for this engine on each device; None: its startup
-    mapping."""
-    limit_bytes: int | None = None
-    """Most memory this engine maps on each device; None: its page limit."""
-    name: str = ""
-    group: str | None = None
-    """``--kv-cache-vmm-shared-group``: the ledgers of the engines of this
-    group's users; None: this user's own."""
-
-
-@dataclass
-class KVPageOps:
-    """Page changes of one step, in the order every rank applies them.
-
-    ``unmap`` then ``map`` before the forward pass (``map``: pages holding
-    blocks this step uses); ``ahead`` right after the forward pass is
-    launched (pages whose blocks the scheduler hands out from the next step
-    on, so their driver calls overlap the device's work).
-    """
-
-    map: list[int] = field(default_factory=list)
-    unmap: list[int] = field(default_factory=list)
-    ahead: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.map or self.unmap or self.ahead)
-
-
-@dataclass
-class KVPageStats:
-    """The scheduler's page counters, reported with the scheduler stats."""
-
-    mapped_pages: int
-    page_limit: int
-    mapped_bytes: int
-    """KV memory mapped now, in bytes per device (the device that holds the
-    most of this engine's KV memory)."""
-    pages_mapped_total: int
-    """Pages mapped since startup (the startup mapping included)."""
-    pages_unmapped_total: int
-    map_failures_total: int = 0
-    """Pages a rank could not map (the device had no memory for them)."""
-    floor_bytes: int = 0
-    """With a device ledger: this engine's floor, in bytes per device (on
-    the device that holds the most of its KV memory)."""
-    limit_bytes: int = 0
-    """The page limit in bytes per device."""
-    ledger: dict[str, Any] | None = None
-    """With a device ledger: each device's ledger as the engine last read
-    it (``LedgerState.to_json()`` per device key)."""
-
-
-#: Regions assumed for a per-layer KV tensor whose attention backend the
-#: caller does not know (the engine core, before the workers allocate): a K/V
-#: split ``(2, num_blocks, ...)``. Whole granules in both halves of a block
-#: range are also whole granules in a block-outermost tensor, so pages sized
-#: for it fit either layout.
-KV_SPLIT_REGIONS = 2
-
-
-class KVBackingTensor(Protocol):
-    """A ``KVCacheTensor`` of releases that place all KV tensors of a rank in
-    one backing allocation (vLLM 0.32 and later): where its layers lie in
-    that allocation. Releases before have only ``size`` and ``shared_by``."""
-
-    size: int
-    layers: list[str]
-    layer_stride: int
-    block_stride: int
-    offset: int
-    host_resident: bool
-
-
-def _is_backing(tensors: Sequence[object]) -> TypeGuard[Sequence[KVBackingTensor]]:
-    return all(
-        hasattr(t, name)
-        for t in tensors
-        for name in ("offset", "layers", "layer_stride", "block_stride")
-    )
-
-
-def _backing_tensors(
-    kv_cache_config: "KVCacheConfig",
-) -> Sequence[KVBackingTensor]:
-    tensors = kv_cache_config.kv_cache_tensors
-    if not _is_backing(tensors):
-        raise _unsupported(kv_cache_config)
-    return tensors
-
-
-def verify_vmm_kv_config(
-    options: KVVmmOptions, model_config: "ModelConfig | None"
-) -> None:
-    """Refuse, at config time, what VMM-backed KV memory cannot honour.
-
-    Sleep mode frees the KV cache by allocating it inside the cumem
-    allocator's ``kv_cache`` pool (``kv_cache_allocation_context``) and
-    discarding that pool on sleep. VMM KV memory is reserved and mapped by
-    the KV page table, outside any allocator pool, so a sleeping engine would
-    keep all of its mapped KV pages: sleep would silently free nothing.
-    """
-    if options.kv_cache_memory_backend != "vmm":
-        return
-    if model_config is not None and model_config.enable_sleep_mode:
-        raise ValueError(
-            "--kv-cache-memory-backend vmm cannot be combined with "
-            "--enable-sleep-mode: sleep mode frees the KV cache through the "
-            "cumem allocator's pool, and VMM-backed KV pages are mapped "
-            "outside it, so a sleeping engine would keep its KV memory. "
-            "Either drop --enable-sleep-mode (with --kv-cache-vmm-shrink "
-            "idle, an idle VMM engine already unmaps its free KV pages), or "
-            "use --kv-cache-memory-backend default to sleep."
-        )
-
-
-def _unsupported(kv_cache_config: "KVCacheConfig") -> NotImplementedError:
-    return NotImplementedError(
-        f"VMM-backed KV memory (--kv-cache-memory-backend vmm) does not "
-        f"support this KV cache layout ({kv_cache_config.kv_cache_tensors}); "
-        "use --kv-cache-memory-backend default"
-    )
-
-
-def kv_backing_layout(kv_cache_config: "KVCacheConfig") -> KVTensorLayout:
-    """Layout of the one backing allocation all KV tensors of a rank share.
-
-    Block ``b`` of layer ``l`` lives at ``offset + l * layer_stride + b *
-    block_stride``. Block-outermost layouts are one region (all layers of a
-    block are adjacent); layer-outermost layouts are one region per layer
-    slot, each holding every block.
-    """
-    tensors = _backing_tensors(kv_cache_config)
-    num_blocks = kv_cache_config.num_blocks
-    block_strides = {t.block_stride for t in tensors}
-    if len(block_strides) != 1 or any(t.host_resident for t in tensors):
-        raise _unsupported(kv_cache_config)
-    block_stride = block_strides.pop()
-    region_bytes = num_blocks * block_stride
-    size = tensors[0].size
-    if size % region_bytes:
-        raise _unsupported(kv_cache_config)
-    num_regions = size // region_bytes
-    if num_regions > 1 and any(
-        t.offset % region_bytes or (len(t.layers) > 1 and t.layer_stride % region_bytes)
-        for t in tensors
-    ):
-        raise _unsupported(kv_cache_config)
-    return KVTensorLayout(
-        block_bytes=num_regions * block_stride, num_regions=num_regions
-    )
-
-
-def kv_tensor_layouts(
-    kv_cache_config: "KVCacheConfig", num_regions: Sequence[int] | None = None
-) -> list[KVTensorLayout]:
-    """Layouts of the KV memory a rank allocates, one per allocation.
-
-    With one backing allocation per rank, the layout follows from the
-    config. With one tensor per KVCacheTensor, the attention backend decides
-    how many regions each has: ``num_regions`` (one per tensor, from the
-    worker), or :data:`KV_SPLIT_REGIONS` when unknown.
-    """
-    if kv_tensors_share_one_backing(kv_cache_config):
-        return [kv_backing_layout(kv_cache_config)]
-    tensors = kv_cache_config.kv_cache_tensors
-    num_blocks = kv_cache_config.num_blocks
-    if num_regions is None:
-        num_regions = [KV_SPLIT_REGIONS] * len(tensors)
-    if len(num_regions) != len(tensors) or any(
-        t.size % num_blocks or (t.size // num_blocks) % r
-        for t, r in zip(tensors, num_regions)
-    ):
-        raise _unsupported(kv_cache_config)
-    return [
-        KVTensorLayout(block_bytes=t.size // num_blocks, num_regions=r)
-        for t, r in zip(tensors, num_regions)
-    ]
-
-
-def kv_page_geometry(
-    kv_cache_config: "KVCacheConfig",
-    granularity: int,
-    blocks_per_page: int | None = None,
-    num_regions: Sequence[int] | None = None,
-) -> KVPageGeometry:
-    """The page geometry of one rank; ``blocks_per_page`` (the policy's)
-    must be a multiple of the rank's own smallest mappable unit."""
-    layouts = kv_tensor_layouts(kv_cache_config, num_regions)
-    unit = KVPageGeometry(layouts, 1, granularity).blocks_per_page
-    if blocks_per_page is None:
-        blocks_per_page = unit
-    if blocks_per_page % unit:
-        raise ValueError(
-            f"{blocks_per_page} blocks per page is not a multiple of this "
-            f"rank's mappable unit of {unit} blocks"
-        )
-    return KVPageGeometry(
-        layouts,
-        kv_cache_config.num_blocks,
-        granularity,
-        pages_per_segment=blocks_per_page // unit,
-    )
-
-
-def virtual_kv_cache_config(
-    kv_cache_config: "KVCacheConfig", geometry: KVPageGeometry
-) -> "KVCacheConfig":
-    """``kv_cache_config`` addressing ``geometry.num_blocks`` blocks.
-
-    Block ids past the pool's are never handed out; they only round the
-    regions up to whole pages so that a page is whole granules everywhere.
-    """
-    if not kv_tensors_share_one_backing(kv_cache_config):
-        sizes = geometry.tensor_bytes
-        tensors = [
-            replace(t, size=nbytes)
-            for t, nbytes in zip(kv_cache_config.kv_cache_tensors, sizes)
-        ]
-        return replace(
-            kv_cache_config, num_blocks=geometry.num_blocks, kv_cache_tensors=tensors
-        )
-    layout = geometry.layouts[0]
-    block_stride = layout.region_block_bytes
-    old_region = kv_cache_config.num_blocks * block_stride
-    new_region = geometry.num_blocks * block_stride
-
-    def rescale(nbytes: int) -> int:
-        if layout.num_regions == 1:
-            return nbytes
-        return (nbytes // old_region) * new_region + nbytes % old_region
-
-    config = replace(
-        kv_cache_config,
-        num_blocks=geometry.num_blocks,
-        kv_cache_tensors=[copy.copy(t) for t in kv_cache_config.kv_cache_tensors],
-    )
-    for t in _backing_tensors(config):  # the copies
-        t.size = geometry.tensor_bytes[0]
-        t.offset = rescale(t.offset)
-        t.layer_stride = rescale(t.layer_stride)
-    return config
+__all__ = [
+    "HOST_DEVICE_KEY",
+    "KVBackingTensor",
+    "KVLedgerOptions",
+    "KVPageOps",
+    "KVPagePolicy",
+    "KVPageShrinkPolicy",
+    "KVPageStats",
+    "KVShareOptions",
+    "KVSharePolicy",
+    "KVVmmOptions",
+    "KV_PAGE_GRANULARITY",
+    "KV_PAGE_MIN_CHUNK_BYTES",
+    "KV_PAGE_MIN_COUNT",
+    "KV_SPLIT_REGIONS",
+    "initial_kv_pages",
+    "kv_backing_layout",
+    "kv_device_bytes",
+    "kv_ledger_options",
+    "kv_page_geometry",
+    "kv_page_limit_arguments",
+    "kv_page_limit_result",
+    "kv_page_multiple",
+    "kv_page_policy_for_engine",
+    "kv_step_blocks",
+    "kv_tensor_layouts",
+    "make_kv_page_policy",
+    "parse_kv_page_limit",
+    "verify_vmm_kv_config",
+    "virtual_kv_cache_config",
+]
 
 
 def initial_kv_pages(policy: KVPagePolicy) -> list[int]:

@@ -41,28 +41,30 @@ anyway), so its next burst does not start by waiting for the driver.
 """
 
 import time
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from vllm.v1.kv_cache_compat import notify_blocks_reused
-from vllm.v1.kv_vmm.ledger import (
-    KVMemoryLedger,
-    LedgerError,
-    LedgerState,
-    stamp_is_settled,
+from vllm.v1.kv_vmm.device_share import (
+    LEDGER_FULL_READ_INTERVAL_S,
+    LEDGER_READ_INTERVAL_S,
+    DeviceShare,
 )
 from vllm.v1.kv_vmm.page_status import KVPageStatus
-from vllm.v1.kv_vmm.pages import (
-    KVPageOps,
-    KVPagePolicy,
-    KVPageStats,
-    initial_kv_pages,
-    kv_page_limit_arguments,
-)
+from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
+from vllm.v1.kv_vmm.pool_limits import PageLimitsMixin
+from vllm.v1.kv_vmm.pool_share import FairShareMixin
+
+__all__ = [
+    "LEDGER_FULL_READ_INTERVAL_S",
+    "LEDGER_READ_INTERVAL_S",
+    "MAP_RETRY_MAX_S",
+    "MAP_RETRY_MIN_S",
+    "PAGE_REPORT_WAIT_S",
+    "PagedBlockPool",
+]
 
 logger = init_logger(__name__)
 
@@ -75,244 +77,9 @@ MAP_RETRY_MAX_S = 5.0
 #: reported by then leaves them not free for now: the request waits for a
 #: later step; nothing waits longer.
 PAGE_REPORT_WAIT_S = 1.0
-#: How often the pool reads the device ledgers (what is free, its limit).
-LEDGER_READ_INTERVAL_S = 0.05
-#: A ledger nobody wrote since the last read is read again (to drop the
-#: entries of engines that died) this often; between, a ``stat`` shows that
-#: nothing changed. A full read (lock, parse, a /proc look-up per engine)
-#: costs the scheduler about as much as a step's allocations of 30 requests.
-LEDGER_FULL_READ_INTERVAL_S = 1.0
 
 
-class _DeviceShare:
-    """The pool's entries in the ledgers of its devices.
-
-    A ledger that cannot be used while the engine runs (garbage in the
-    file, an unsafe file, a lock held too long: :class:`LedgerError`) never
-    takes the engine down: it is logged once, with the file and the fix;
-    meanwhile the pool grows nothing from that ledger (its room counts as
-    none) and maps what it has, pages a step needs now included, and gives
-    pages back as usual. The ledger is read again at the usual interval;
-    once it can be, the pool records what it maps in it (or joins again if
-    its entry or the file was removed) and goes on.
-    """
-
-    def __init__(self, policy: KVPagePolicy, initial_pages: int) -> None:
-        options = policy.ledger
-        assert options is not None
-        self.options = options
-        self.devices = options.devices
-        self.max_pages = policy.max_pages
-        floors = [
-            initial_pages * b if options.floor_bytes is None else options.floor_bytes
-            for b in self.devices.values()
-        ]
-        self.floor_bytes = sum(floors)
-        # Pages every device's floor covers: an idle engine keeps them.
-        self.floor_pages = min(
-            (f // b for f, b in zip(floors, self.devices.values())), default=0
-        )
-        # Pages this pool maps (its record in every ledger).
-        self.mapped_pages = initial_pages
-        self.room_pages = 0
-        self.limit_pages: int | None = None
-        self.ledgers: list[tuple[KVMemoryLedger, str, int]] = []
-        for (key, page_bytes), floor in zip(self.devices.items(), floors):
-            # A ledger that cannot be used refuses the start (LedgerError).
-            ledger = KVMemoryLedger(key, group=options.group)
-            entry_id = self._join(ledger, page_bytes, floor)
-            self.ledgers.append((ledger, entry_id, page_bytes))
-        self.states: dict[str, Any] = {}
-        self.read_at = float("-inf")
-        # Per ledger: the file's stamp before the last full read, when that was
-        # (by the clock of file times).
-        self._seen: dict[str, tuple[tuple[int, int, int], float]] = {}
-        # Ledgers that cannot be used now (key -> the problem, logged once per
-        # outage), and those whose record of this pool fell behind meanwhile.
-        self.problems: dict[str, str] = {}
-        self._behind: set[str] = set()
-        self.wall_clock: Callable[[], float] = time.time
-        # Also at interpreter exit (the list itself: an entry joined again
-        # replaces its item); a killed engine's entries are dropped once the
-        # kernel released its liveness lock.
-        self._finalizer = weakref.finalize(self, _leave, self.ledgers)
-
-    def _join(self, ledger: KVMemoryLedger, page_bytes: int, floor_bytes: int) -> str:
-        options = self.options
-        if self.limit_pages is not None:
-            limit = self.limit_pages * page_bytes
-        elif options.limit_bytes is not None:
-            limit = options.limit_bytes
-        else:
-            limit = self.max_pages * page_bytes
-        return ledger.join(
-            capacity_bytes=(
-                self.max_pages * page_bytes
-                if options.capacity_bytes is None
-                else options.capacity_bytes
-            ),
-            name=options.name,
-            mapped_bytes=self.mapped_pages * page_bytes,
-            floor_bytes=floor_bytes,
-            limit_bytes=limit,
-            fixed=options.capacity_bytes is not None,
-        )
-
-    def _failed(self, ledger: KVMemoryLedger, error: LedgerError) -> None:
-        """Note a ledger that cannot be used (logged once per outage)."""
-        self._behind.add(ledger.key)
-        if ledger.key not in self.problems:
-            logger.warning(
-                "%s. This engine keeps serving with the KV memory it has "
-                "mapped and maps no more from that ledger until it can be "
-                "read again (tried every %.0f s and whenever the file changes)",
-                str(error).rstrip("."),
-                LEDGER_FULL_READ_INTERVAL_S,
-            )
-        self.problems[ledger.key] = str(error)
-
-    def _catch_up(self, index: int, state: LedgerState | None) -> LedgerState | None:
-        """Record what the pool maps in a ledger that could not be used for
-        a while, or join it again where its entry or the file went (an
-        operator removed a broken ledger); returns the ledger now."""
-        ledger, entry_id, page_bytes = self.ledgers[index]
-        if state is None or state.entry(entry_id) is None:
-            entry_id = self._join(ledger, page_bytes, self.floor_pages * page_bytes)
-            self.ledgers[index] = (ledger, entry_id, page_bytes)
-            logger.info(
-                "KV memory ledger %s: this engine's entry was gone; joined "
-                "again with the %d pages it maps",
-                ledger.path,
-                self.mapped_pages,
-            )
-        else:
-            ledger.set_mapped(entry_id, self.mapped_pages * page_bytes)
-            if self.limit_pages is not None:
-                ledger.update(entry_id, limit_bytes=self.limit_pages * page_bytes)
-        self._behind.discard(ledger.key)
-        if self.problems.pop(ledger.key, None) is not None:
-            logger.info("KV memory ledger %s can be used again", ledger.path)
-        return ledger.read()
-
-    def _unchanged(self, ledger: KVMemoryLedger, now: float) -> bool:
-        """Whether nobody wrote ``ledger`` since its last full read (which
-        was recent enough); otherwise note its stamp for the read to come."""
-        stamp = ledger.file_stamp()
-        seen = self._seen.get(ledger.key)
-        if (
-            seen is not None
-            and stamp == seen[0]
-            and now - seen[1] < LEDGER_FULL_READ_INTERVAL_S
-        ):
-            return True
-        # Taken before the read: a write after it changes the stamp, unless
-        # it lands in the same tick of the file clock (then read it again).
-        if stamp_is_settled(stamp, now):
-            assert stamp is not None
-            self._seen[ledger.key] = (stamp, now)
-        else:
-            self._seen.pop(ledger.key, None)
-        return False
-
-    def read(self) -> None:
-        """Refresh the free room and the limit (in pages) from the ledgers
-        (those nobody wrote since the last read are skipped)."""
-        now = self.wall_clock()
-        # A list, not a generator: every ledger's stamp is taken before the read.
-        if all([self._unchanged(ledger, now) for ledger, _, _ in self.ledgers]):
-            return
-        room, limit, floor = None, None, None
-        read_any = False
-        for index, (ledger, _, page_bytes) in enumerate(self.ledgers):
-            try:
-                state = ledger.read()
-                entry_id = self.ledgers[index][1]
-                if (
-                    state is None
-                    or state.entry(entry_id) is None
-                    or ledger.key in self._behind
-                ):
-                    state = self._catch_up(index, state)
-                    entry_id = self.ledgers[index][1]
-            except LedgerError as e:
-                self._failed(ledger, e)
-                room = 0  # nothing more from it until it can be used
-                continue
-            entry = state.entry(entry_id) if state is not None else None
-            if state is None or entry is None:
-                room = 0
-                continue
-            read_any = True
-            self.states[ledger.key] = state.to_json()
-            pages = state.room(entry_id) // page_bytes
-            room = pages if room is None else min(room, pages)
-            pages = entry.floor_bytes // page_bytes
-            floor = pages if floor is None else min(floor, pages)
-            if entry.limit_bytes is not None:
-                pages = max(1, entry.limit_bytes // page_bytes)
-                limit = pages if limit is None else min(limit, pages)
-        self.room_pages = room if room is not None else 0
-        if read_any:
-            self.limit_pages = limit
-        if floor is not None:
-            self.floor_pages = floor
-
-    def grow(self, num_pages: int, force: bool) -> int:
-        """Record up to ``num_pages`` more on every device; the pages all of
-        them granted (all of them with ``force``: pages a step needs now,
-        also where a ledger cannot be used; none from such a ledger
-        otherwise)."""
-        granted = []
-        for ledger, entry_id, page_bytes in self.ledgers:
-            try:
-                nbytes = ledger.grow(
-                    entry_id, num_pages * page_bytes, page_bytes, force
-                )
-            except LedgerError as e:
-                self._failed(ledger, e)
-                nbytes = num_pages * page_bytes if force else 0
-            granted.append(nbytes // page_bytes)
-        pages = min(granted, default=num_pages)
-        for (ledger, entry_id, page_bytes), got in zip(self.ledgers, granted):
-            if got > pages:
-                self._shrink_one(ledger, entry_id, (got - pages) * page_bytes)
-        self.room_pages = max(self.room_pages - pages, 0)
-        self.mapped_pages += pages
-        return pages
-
-    def _shrink_one(self, ledger: KVMemoryLedger, entry_id: str, nbytes: int) -> None:
-        try:
-            ledger.shrink(entry_id, nbytes)
-        except LedgerError as e:
-            self._failed(ledger, e)
-
-    def shrink(self, num_pages: int) -> None:
-        self.mapped_pages = max(self.mapped_pages - num_pages, 0)
-        for ledger, entry_id, page_bytes in self.ledgers:
-            self._shrink_one(ledger, entry_id, num_pages * page_bytes)
-
-    def set_limit(self, num_pages: int) -> None:
-        for ledger, entry_id, page_bytes in self.ledgers:
-            try:
-                ledger.update(entry_id, limit_bytes=num_pages * page_bytes)
-            except LedgerError as e:
-                self._failed(ledger, e)
-        self.limit_pages = num_pages
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def _leave(ledgers: list[tuple[KVMemoryLedger, str, int]]) -> None:
-    for ledger, entry_id, _ in ledgers:
-        try:
-            ledger.leave(entry_id)
-        except LedgerError as e:
-            # Nothing to fix at exit: the entry goes with this process's lock.
-            logger.warning("%s", e)
-
-
-class PagedBlockPool(BlockPool):
+class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
     """:class:`BlockPool` whose blocks live on pages mapped on demand.
 
     Args:
@@ -364,9 +131,10 @@ class PagedBlockPool(BlockPool):
         self._retry_at = float("-inf")
         self._retry_delay = 0.0
         self._denied_logged = False
-        self._share = None
+        self._share: DeviceShare | None = None
+        self._init_fair_share()
         if policy.ledger is not None:
-            self._share = _DeviceShare(policy, len(initial))
+            self._share = DeviceShare(policy, len(initial))
             self._read_ledger(force=True)
 
     @staticmethod
@@ -409,7 +177,7 @@ class PagedBlockPool(BlockPool):
         if self._status is not None:
             self._poll()
         num_unmapped = self.num_pages - self._num_held
-        pages = min(max(self.policy.max_pages - self._num_held, 0), num_unmapped)
+        pages = min(max(self._page_limit - self._num_held, 0), num_unmapped)
         # admitted: blocks the caller was told were free (get_num_free_blocks);
         # the ledger may have changed since, the limit has not.
         if not admitted and self._retry_at > self.clock():
@@ -634,6 +402,8 @@ class PagedBlockPool(BlockPool):
             self.policy.max_pages = limit
             self._shrink_to_limit()
             logger.info("KV page limit set to %d pages from the device ledger", limit)
+        if self._fair:
+            self._step_share(now)
 
     def _free_pages(self) -> list[int]:
         """Mapped pages none of whose blocks is in use, highest id first."""
@@ -655,6 +425,8 @@ class PagedBlockPool(BlockPool):
             self._poll()
         if self._share is not None:
             self._read_ledger()
+        if self._share_reclaim > 0:
+            self._give_back_share()
         # Requests waiting for blocks keep the pages they wait for.
         shrink_due_in = None if self._demand_blocks else self._idle_shrink_due_in()
         if self._num_held > policy.max_pages:
@@ -684,7 +456,7 @@ class PagedBlockPool(BlockPool):
         if not busy and self._status is not None:
             refill = short
         self._blocks_handed_out = 0
-        if short > 0 and self._num_held < policy.max_pages:
+        if short > 0 and self._num_held < self._page_limit:
             growable = self._growable_blocks()
             # With page reports, pages of a step without a forward pass are
             # mapped before it (there is nothing to hide behind); without,
@@ -703,6 +475,8 @@ class PagedBlockPool(BlockPool):
                     self._denied_logged = True
             else:
                 self._denied_logged = False
+        if self._fair:
+            self._publish_demand()
         if not self._pending:
             return None
         ops, self._pending = self._pending, KVPageOps()
@@ -731,179 +505,18 @@ class PagedBlockPool(BlockPool):
         if self._inflight:
             # Check the ranks' reports at the next step.
             return 0.0 if self.idle else None
-        return self._idle_shrink_due_in()
-
-    def _idle_shrink_due_in(self) -> float | None:
-        """Seconds until free pages beyond the headroom are given back (0.0
-        if now), None if the pool is in use, never shrinks when idle, or
-        has nothing beyond the headroom. Starts and resets the idle clock."""
-        if not self.idle:
-            self._idle_since = None
-            return None
-        now = self.clock()
-        if self._idle_since is None:
-            self._idle_since = now
-        if self.policy.shrink != "idle":
-            return None
-        if self._share is not None:
-            self._read_ledger()  # the floor (a stat when nobody wrote it)
-        num_free = len(self._free_pages())
-        if self._idle_surplus(num_free) <= 0:
-            if self._share is not None and num_free > self.policy.headroom_pages:
-                # Its floor keeps them: look at the ledger again in a while
-                # (an operator may lower the floor or the limit).
-                return LEDGER_FULL_READ_INTERVAL_S
-            return None
-        return max(self.policy.shrink_delay_s - (now - self._idle_since), 0.0)
-
-    def _idle_surplus(self, num_free: int) -> int:
-        """How many of ``num_free`` free pages an idle pool gives back: those
-        beyond the headroom and, with a device ledger, beyond its floor.
-
-        The ledger keeps an engine's floor from the other engines whether
-        it maps it or not, so an idle engine keeps its floor mapped (by
-        default its startup mapping: a step's worth) and its first burst
-        after an idle period does not wait for the driver.
-        """
-        surplus = num_free - self.policy.headroom_pages
-        return max(min(surplus, self._pages_beyond_floor()), 0)
-
-    def _pages_beyond_floor(self) -> int:
-        """Pages held beyond the device ledger's floor (all without one)."""
-        if self._share is None:
-            return self._num_held
-        return self._num_held - self._share.floor_pages
-
-    def _ahead_target(self) -> int:
-        """Free blocks kept mapped while requests run: a step's worth."""
-        policy = self.policy
-        return max(policy.headroom_pages * policy.blocks_per_page, policy.ahead_blocks)
-
-    def _busy_trim_due(self) -> bool:
-        """With a device ledger, while requests run: whether the pool has
-        had at least a page's worth of free blocks beyond a step's worth
-        ahead for the shrink delay (then every whole free page beyond a
-        step's worth goes back at once).
-
-        An engine that stays busy (a trickle of requests after its peak)
-        would otherwise keep its peak's memory until it goes idle, and the
-        other engines on the device could not use it. The check is cheap
-        (free block count); the pages are looked for only once it is due.
-        """
-        policy = self.policy
-        if self._share is None or policy.shrink != "idle" or self.idle:
-            self._surplus_since = None
-            return False
-        spare = self.free_block_queue.num_free_blocks - self._ahead_target()
-        if spare < policy.blocks_per_page:
-            self._surplus_since = None
-            return False
-        now = self.clock()
-        if self._surplus_since is None:
-            self._surplus_since = now
-        return now - self._surplus_since >= policy.shrink_delay_s
-
-    def _surplus_pages(self) -> list[int]:
-        """Free pages (highest first) whose blocks the pool can spare while
-        keeping a step's worth of free blocks mapped."""
-        spare = self.free_block_queue.num_free_blocks - self._ahead_target()
-        # Never below the floor (the ledger keeps it for this engine anyway).
-        beyond_floor = self._pages_beyond_floor()
-        pages: list[int] = []
-        for page in self._free_pages():
-            num_blocks = len(self._page_blocks(page))
-            if spare < num_blocks or len(pages) >= beyond_floor:
-                break
-            pages.append(page)
-            spare -= num_blocks
-        return pages
-
-    def _shrink_to_limit(self) -> None:
-        # Give back free pages, cached prefix blocks on them included; pages
-        # still in use go at a later step, once their requests free them.
-        excess = self._num_held - self.policy.max_pages
-        if excess > 0:
-            self._unmap(self._free_pages()[:excess])
-
-    def set_page_limit(
-        self, max_pages: int | None = None, max_bytes: int | None = None
-    ) -> dict[str, int]:
-        """Change the physical limit, in pages or in bytes per device
-        (:attr:`KVPagePolicy.device_page_bytes`; rounded down to whole
-        pages): exactly one of the two. See :meth:`set_max_pages`. Returns
-        the page counters (:meth:`page_stats`)."""
-        kv_page_limit_arguments(max_pages, max_bytes)
-        if max_bytes is not None:
-            page_bytes = self.policy.device_page_bytes
-            if page_bytes <= 0:
-                raise ValueError(
-                    "this KV cache does not know its page size in bytes; give "
-                    "the limit in pages (max_pages)"
-                )
-            max_pages = max_bytes // page_bytes
-            if max_pages < 1:
-                raise ValueError(
-                    f"a KV cache limit of {max_bytes} bytes is less than one page "
-                    f"({page_bytes} bytes per device); give at least {page_bytes}"
-                )
-        assert max_pages is not None
-        self.set_max_pages(max_pages)
-        return self.page_stats()
-
-    def set_max_pages(self, max_pages: int) -> None:
-        """Change the physical limit. Lowering it unmaps free pages at once
-        (evicting the cached prefix blocks on them; the workers apply it at
-        the next step) and stops admitting requests beyond it. A limit beyond
-        the KV cache's capacity (every page of its reservation) is lowered to
-        the capacity, with a warning."""
-        if max_pages < 1:
-            raise ValueError(
-                f"the KV page limit must be at least 1 page (the null block's); "
-                f"got {max_pages}"
+        due = self._idle_shrink_due_in()
+        if self._fair and self.idle and self._pages_beyond_floor() > 0:
+            # An idle engine above its floor gives pages back to a waiting
+            # engine below its share at its next ledger read, without
+            # waiting for the shrink delay.
+            self._read_ledger()
+            if self._share_reclaim > 0 and self._share_surplus():
+                return 0.0
+            due = min(
+                due if due is not None else float("inf"), LEDGER_FULL_READ_INTERVAL_S
             )
-        if max_pages > self.num_pages:
-            logger.warning(
-                "KV page limit of %d pages is beyond the KV cache's capacity of "
-                "%d pages (%d bytes per device); the limit is %d pages",
-                max_pages,
-                self.num_pages,
-                self.num_pages * self.policy.device_page_bytes,
-                self.num_pages,
-            )
-            max_pages = self.num_pages
-        self.policy.max_pages = max_pages
-        self._shrink_to_limit()
-        if self._share is not None:
-            self._share.set_limit(max_pages)
-        logger.info("KV page limit set to %d pages", max_pages)
-
-    def make_page_stats(self) -> KVPageStats:
-        share = self._share
-        page_bytes = self.policy.device_page_bytes
-        return KVPageStats(
-            mapped_pages=self._num_held,
-            page_limit=self.policy.max_pages,
-            mapped_bytes=self._num_held * page_bytes,
-            pages_mapped_total=self.num_pages_mapped_total,
-            pages_unmapped_total=self.num_pages_unmapped_total,
-            map_failures_total=self.num_map_failures_total,
-            floor_bytes=self._device_floor_bytes(),
-            limit_bytes=self.policy.max_pages * page_bytes,
-            ledger=dict(share.states) if share is not None else None,
-        )
-
-    def _device_floor_bytes(self) -> int:
-        """With a device ledger, this engine's floor on the device that holds
-        the most of its KV memory, as the ledger last showed it (0 without)."""
-        share = self._share
-        if share is None:
-            return 0
-        largest = max(share.devices, key=share.devices.__getitem__)
-        ids = {entry_id for _, entry_id, _ in share.ledgers}
-        for entry in share.states.get(largest, {}).get("entries", []):
-            if entry["id"] in ids:
-                return entry["floor_bytes"]
-        return share.floor_pages * self.policy.device_page_bytes
+        return due
 
     def close(self) -> None:
         """Leave the device ledgers (also done at exit)."""
@@ -911,20 +524,3 @@ class PagedBlockPool(BlockPool):
             self._share.close()
         if self._status is not None:
             self._status.close()
-
-    def page_stats(self) -> dict[str, int]:
-        """The page counters :meth:`set_page_limit` returns; byte figures in
-        bytes per device (:attr:`KVPagePolicy.device_page_bytes`)."""
-        page_bytes = self.policy.device_page_bytes
-        return {
-            "kv_pages_mapped": self._num_held,
-            "kv_pages_mapped_total": self.num_pages_mapped_total,
-            "kv_pages_unmapped_total": self.num_pages_unmapped_total,
-            "kv_page_limit": self.policy.max_pages,
-            "kv_page_capacity": self.num_pages,
-            "kv_page_map_failures_total": self.num_map_failures_total,
-            "kv_page_bytes": page_bytes,
-            "kv_mapped_bytes": self._num_held * page_bytes,
-            "kv_limit_bytes": self.policy.max_pages * page_bytes,
-            "kv_capacity_bytes": self.num_pages * page_bytes,
-        }

@@ -5,27 +5,49 @@ KV tensors over a virtual reservation, and the page changes the scheduler
 sends: the step's own before its forward pass, the pages mapped ahead of
 demand right after the forward pass is launched."""
 
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_compat import kv_storage_block_size
 from vllm.v1.kv_vmm.backend import VmmBackend, VmmOutOfMemoryError
 from vllm.v1.kv_vmm.host import HostVmmBackend
+from vllm.v1.kv_vmm.kv_regions import (
+    attention_kv_regions,
+    attention_layer_regions,
+    kv_tensor_regions,
+)
 from vllm.v1.kv_vmm.page_table import KVPageTable, SegmentCallback
 from vllm.v1.kv_vmm.pages import (
     KVPageOps,
     KVPagePolicy,
-    KVVmmOptions,
     initial_kv_pages,
     kv_page_geometry,
     virtual_kv_cache_config,
 )
+from vllm.v1.kv_vmm.shared_device import (
+    device_ledger_key,
+    device_ledger_report,
+    measure_shared_kv_capacity,
+    shared_kv_memory_request,
+)
+
+__all__ = [
+    "KVPageMapper",
+    "allocate_vmm_kv_cache",
+    "allocate_vmm_kv_tensors",
+    "attention_kv_regions",
+    "attention_layer_regions",
+    "device_ledger_key",
+    "device_ledger_report",
+    "kv_tensor_regions",
+    "make_vmm_backend",
+    "map_kv_pages_ahead",
+    "measure_shared_kv_capacity",
+    "shared_kv_memory_request",
+]
 
 logger = init_logger(__name__)
 
@@ -450,43 +472,6 @@ class KVPageMapper:
             self.status.close()
 
 
-def device_ledger_key(device: torch.device) -> str:
-    """The device ledger's key of ``device``: its UUID, ``host`` for host
-    memory (how the engine core names each rank's ledger)."""
-    if device.type != "cuda":
-        return "host"
-    from vllm.platforms import current_platform
-
-    return current_platform.get_device_uuid(device.index or 0)
-
-
-def device_ledger_report(device: torch.device) -> str:
-    """The engines the ledger of ``device`` lists, with what they map (for
-    an error message: who holds the device's KV memory)."""
-    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
-
-    try:
-        key = device_ledger_key(device)
-        state = KVMemoryLedger(key).read()
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        return f"Engines sharing {device}: unknown (device ledger unreadable: {e})."
-    if state is None:
-        return (
-            f"No engine shares {device} through a device ledger "
-            "(--kv-cache-vmm-shared)."
-        )
-    mib = 1 << 20
-    engines = "; ".join(
-        f"{e.name or e.id} (pid {e.pid}): {e.mapped_bytes / mib:.0f} MiB mapped, "
-        f"floor {e.floor_bytes / mib:.0f} MiB"
-        for e in state.entries
-    )
-    return (
-        f"Engines in the ledger of {device} ({state.capacity_bytes / mib:.0f} MiB "
-        f"shared): {engines}."
-    )
-
-
 def allocate_vmm_kv_cache(
     kv_cache_config,
     device: torch.device,
@@ -507,71 +492,6 @@ def allocate_vmm_kv_cache(
         mapper.virtual_config, device, *args, buffer=mapper.buffer, **kwargs
     )
     return kv_caches, mapper
-
-
-def attention_kv_regions(
-    attn_backend: Any,
-    kv_cache_spec: Any,
-    kernel_block_size: int,
-    cache_dtype: str,
-) -> int:
-    """Regions of one layer's KV tensor as the attention backend lays it out:
-    the product of the physical dimensions before the block dimension (1 for
-    ``(num_blocks, 2, ...)``, 2 for ``(2, num_blocks, ...)``).
-
-    The block dimension is the one that grows with the block count; the
-    physical order is the backend's stride order, as in the model runner.
-    """
-    if not hasattr(kv_cache_spec, "num_kv_heads"):
-        raise NotImplementedError(
-            f"VMM-backed KV memory (--kv-cache-memory-backend vmm) supports "
-            f"attention KV caches only, not {type(kv_cache_spec).__name__}; "
-            "use --kv-cache-memory-backend default"
-        )
-    kernel_blocks = kv_cache_spec.block_size // kernel_block_size
-    block_size = kv_storage_block_size(kv_cache_spec)
-    if block_size == kv_cache_spec.block_size:
-        block_size = kernel_block_size
-
-    def physical_shape(num_blocks: int) -> tuple[int, ...]:
-        shape = attn_backend.get_kv_cache_shape(
-            num_blocks * kernel_blocks,
-            block_size,
-            kv_cache_spec.num_kv_heads,
-            kv_cache_spec.head_size,
-            cache_dtype_str=cache_dtype,
-        )
-        try:
-            order = attn_backend.get_kv_cache_stride_order()
-            assert len(order) == len(shape)
-        except (AttributeError, NotImplementedError):
-            order = tuple(range(len(shape)))
-        return tuple(shape[i] for i in order)
-
-    one, two = physical_shape(1), physical_shape(2)
-    block_dims = [d for d, (a, b) in enumerate(zip(one, two)) if a != b]
-    if len(one) != len(two) or len(block_dims) != 1:
-        raise NotImplementedError(
-            f"VMM-backed KV memory cannot find the block dimension of "
-            f"{attn_backend.get_name()}'s KV cache shape {one}; use "
-            "--kv-cache-memory-backend default"
-        )
-    return math.prod(one[: block_dims[0]])
-
-
-def kv_tensor_regions(kv_cache_config, layer_regions: dict[str, int]) -> list[int]:
-    """Regions of each KVCacheTensor, from those of the layers sharing it."""
-    regions = []
-    for tensor in kv_cache_config.kv_cache_tensors:
-        found = {layer_regions[n] for n in tensor.shared_by if n in layer_regions}
-        if len(found) != 1:
-            raise NotImplementedError(
-                f"VMM-backed KV memory needs one KV layout per tensor; the "
-                f"layers {tensor.shared_by} have {sorted(found) or 'none'}; use "
-                "--kv-cache-memory-backend default"
-            )
-        regions.append(found.pop())
-    return regions
 
 
 def allocate_vmm_kv_tensors(
@@ -600,27 +520,6 @@ def allocate_vmm_kv_tensors(
     return raw_tensors, mapper
 
 
-def attention_layer_regions(
-    attn_groups: Iterable[Any], kernel_block_sizes: Sequence[int], cache_dtype: str
-) -> dict[str, int]:
-    """:func:`attention_kv_regions` of every layer of the model runner's
-    attention groups (``backend``, ``kv_cache_spec``, ``layer_names``,
-    ``kv_cache_group_id``)."""
-    regions: dict[str, int] = {}
-    for group in attn_groups:
-        if group.kv_cache_group_id >= len(kernel_block_sizes):
-            # Layers without KV cache.
-            continue
-        n = attention_kv_regions(
-            group.backend,
-            group.kv_cache_spec,
-            kernel_block_sizes[group.kv_cache_group_id],
-            cache_dtype,
-        )
-        regions.update(dict.fromkeys(group.layer_names, n))
-    return regions
-
-
 def map_kv_pages_ahead(mapper: "KVPageMapper | None", ops: KVPageOps | None) -> None:
     """The model runner's call right after it launched a step's forward pass
     (before anything of the step that may wait for the device, such as the
@@ -629,94 +528,3 @@ def map_kv_pages_ahead(mapper: "KVPageMapper | None", ops: KVPageOps | None) -> 
     without VMM-backed KV memory)."""
     if mapper is not None and ops:
         mapper.apply_ahead(ops)
-
-
-def _sharing(cache_config: KVVmmOptions) -> bool:
-    return (
-        cache_config.kv_cache_memory_backend == "vmm"
-        and cache_config.kv_cache_vmm_shared
-    )
-
-
-def shared_kv_memory_request(
-    init_snapshot: Any, cache_config: KVVmmOptions
-) -> int | None:
-    """The worker's memory request with ``--kv-cache-vmm-shared``; None
-    without it (vLLM's ``request_memory`` then applies, unchanged).
-
-    ``--gpu-memory-utilization`` keeps its meaning: the share of the
-    device's memory this engine may use, KV memory included. What is not
-    required any more is that all of it be free at startup: KV memory is
-    virtual until mapped, and what an engine maps comes from the device
-    ledger's free room (other engines' idle KV memory included). The
-    engine's virtual KV capacity is therefore what it would get alone on
-    the device: the request minus its own weights and activations; the
-    physical part is the ledger's business.
-    """
-    if not _sharing(cache_config):
-        return None
-    requested = math.ceil(
-        init_snapshot.total_memory * cache_config.gpu_memory_utilization
-    )
-    if init_snapshot.free_memory < requested:
-        logger.info(
-            "KV memory shared through the device ledger: %.2f GiB of the "
-            "%.2f GiB requested (--gpu-memory-utilization %s) are free at "
-            "startup; KV memory is mapped from what the ledger shows free",
-            init_snapshot.free_memory / (1 << 30),
-            requested / (1 << 30),
-            cache_config.gpu_memory_utilization,
-        )
-    return requested
-
-
-def measure_shared_kv_capacity(
-    cache_config: KVVmmOptions,
-    device: torch.device | None,
-    total_bytes: int,
-    init_free_bytes: int,
-    requested_bytes: int,
-    non_kv_bytes: int,
-) -> int | None:
-    """Measure the KV memory the engines of this device can share and
-    record it in the device ledger (``--kv-cache-vmm-shared`` without
-    ``--kv-cache-vmm-shared-bytes``); returns the capacity in force, None
-    without sharing.
-
-    The capacity is vLLM's own KV budget with the ledger's KV memory
-    counted as available: this engine's request, minus what the device
-    held at startup that is not KV memory of the ledger's engines (their
-    weights and activations, other processes), minus this engine's non-KV
-    memory (weights, peak activations, non-torch and CUDA graph memory).
-    The engine started last sees every engine's weights, so its
-    measurement is the one that counts. Like vLLM's profile, it assumes
-    the other processes did not change their memory while it ran.
-    """
-    if not _sharing(cache_config) or device is None:
-        return None
-    if cache_config.kv_cache_vmm_shared_bytes is not None:
-        return None
-    from vllm.platforms import current_platform
-    from vllm.v1.kv_vmm.ledger import KVMemoryLedger
-
-    # The engine core names each rank's device ledger the same way.
-    ledger_key = current_platform.get_device_uuid(device.index or 0)
-    # A ledger that cannot be used refuses the start (LedgerError: the file,
-    # the problem and the fix).
-    ledger = KVMemoryLedger(ledger_key, group=cache_config.kv_cache_vmm_shared_group)
-    ledger_kv = ledger.mapped_bytes()
-    held_by_others = max(total_bytes - init_free_bytes - ledger_kv, 0)
-    measured = requested_bytes - held_by_others - non_kv_bytes
-    capacity = ledger.measure_capacity(measured)
-    logger.info(
-        "KV memory the engines on device %s share: %.2f GiB (measured "
-        "%.2f GiB: requested %.2f, held by others %.2f, this engine's "
-        "non-KV %.2f GiB)",
-        ledger_key,
-        capacity / (1 << 30),
-        measured / (1 << 30),
-        requested_bytes / (1 << 30),
-        held_by_others / (1 << 30),
-        non_kv_bytes / (1 << 30),
-    )
-    return capacity

@@ -1,0 +1,450 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fair shares of a device's KV memory: weighted max-min shares, the
+per-engine controller's rules (cap, reclaim, preemption, hysteresis), and
+engines kept over-subscribed in a discrete-time model of the device
+(``fair_share_sim.py``; a model, since the policy's dynamics over minutes
+cannot be run with real engines in a unit test)."""
+
+import random
+
+import pytest
+
+from tests.v1.kv_vmm.fair_share_sim import MiB, SimEngine, Simulation, direction_changes
+from vllm.v1.kv_vmm.fair_share import (
+    EngineDemand,
+    FairShareController,
+    ReclaimOptions,
+    fair_shares,
+)
+
+GiB = 1 << 30
+HUGE = 1 << 50  # a demand no device satisfies
+
+
+def busy(engine_id: str, weight: float = 1.0, **kw) -> EngineDemand:
+    kw.setdefault("mapped_bytes", 0)
+    kw.setdefault("waiting_bytes", HUGE)
+    return EngineDemand(id=engine_id, weight=weight, **kw)
+
+
+# -- shares -------------------------------------------------------------------
+def test_equal_weights_split_evenly_to_the_byte():
+    shares = fair_shares(1000, [busy("a"), busy("b"), busy("c")])
+    assert sorted(shares.values()) == [333, 333, 334]
+    assert sum(shares.values()) == 1000
+
+
+def test_weights_set_the_ratio():
+    assert fair_shares(300, [busy("a", 2), busy("b", 1)]) == {"a": 200, "b": 100}
+    shares = fair_shares(700, [busy("a", 0.5), busy("b", 3)])
+    assert shares == {"a": 100, "b": 600}
+
+
+def test_an_idle_engine_keeps_its_floor_and_leaves_the_rest():
+    idle = EngineDemand("idle", mapped_bytes=200, floor_bytes=10)
+    shares = fair_shares(300, [idle, busy("a"), busy("b")])
+    assert shares == {"idle": 10, "a": 145, "b": 145}
+
+
+def test_a_small_want_is_met_and_what_is_left_goes_by_weight():
+    small = busy("small", used_bytes=20, waiting_bytes=30)
+    assert fair_shares(300, [small, busy("big")]) == {"small": 50, "big": 250}
+    # Every want met: the rest is spread over the engines with demand.
+    a = busy("a", used_bytes=30, waiting_bytes=0)
+    b = busy("b", used_bytes=60, waiting_bytes=0)
+    idle = EngineDemand("idle", mapped_bytes=0)
+    assert fair_shares(300, [a, b, idle]) == {"a": 150, "b": 150, "idle": 0}
+
+
+def test_floors_are_granted_first():
+    shares = fair_shares(300, [busy("a", floor_bytes=200), busy("b")])
+    assert shares == {"a": 200, "b": 100}
+    # A floor above the limit is capped by the limit, as in the ledger.
+    shares = fair_shares(300, [busy("a", floor_bytes=100, limit_bytes=60), busy("b")])
+    assert shares == {"a": 60, "b": 240}
+
+
+def test_limits_cap_shares_and_the_rest_goes_to_the_others():
+    shares = fair_shares(300, [busy("a", limit_bytes=50), busy("b"), busy("c")])
+    assert shares == {"a": 50, "b": 125, "c": 125}
+    # Nobody may use more than the limits allow: the rest is nobody's.
+    shares = fair_shares(300, [busy("a", limit_bytes=50), busy("b", limit_bytes=70)])
+    assert shares == {"a": 50, "b": 70}
+
+
+def test_floors_beyond_the_capacity_are_all_granted_and_nothing_more():
+    engines = [busy("a", floor_bytes=200), busy("b", floor_bytes=200), busy("c")]
+    assert fair_shares(300, engines) == {"a": 200, "b": 200, "c": 0}
+
+
+def test_bad_input_is_refused_with_the_option_named():
+    for weight in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--kv-cache-vmm-share-weight"):
+            busy("a", weight)
+    with pytest.raises(ValueError, match="unique"):
+        fair_shares(10, [busy("a"), busy("a")])
+    with pytest.raises(ValueError, match="negative"):
+        fair_shares(-1, [busy("a")])
+    with pytest.raises(ValueError, match="negative"):
+        EngineDemand("a", mapped_bytes=-1)
+
+
+def test_random_shares_are_weighted_max_min_fair():
+    """No engine short of its want could gain from another engine above its
+    floor whose share per unit of weight is larger (the definition of
+    weighted max-min fairness), and nothing is left unused that an engine
+    with demand could take."""
+    rng = random.Random(0)
+    for _ in range(500):
+        capacity = rng.randint(0, 10_000)
+        engines = [
+            EngineDemand(
+                id=str(i),
+                mapped_bytes=rng.randint(0, 5000),
+                floor_bytes=rng.choice([0, rng.randint(0, 2000)]),
+                limit_bytes=rng.choice([None, rng.randint(0, 8000)]),
+                used_bytes=rng.randint(0, 3000),
+                waiting_bytes=rng.choice([0, rng.randint(0, 6000)]),
+                weight=rng.choice([1.0, 2.0, 0.5, rng.uniform(0.1, 5)]),
+            )
+            for i in range(rng.randint(1, 6))
+        ]
+        shares = fair_shares(capacity, engines)
+        floors, wants, caps = {}, {}, {}
+        for e in engines:
+            cap = capacity if e.limit_bytes is None else min(e.limit_bytes, capacity)
+            floor = (
+                e.floor_bytes
+                if e.limit_bytes is None
+                else min(e.floor_bytes, e.limit_bytes)
+            )
+            caps[e.id] = max(cap, floor)
+            floors[e.id] = floor
+            wants[e.id] = min(caps[e.id], max(floor, e.demand_bytes))
+        assert all(floors[i] <= s <= caps[i] for i, s in shares.items())
+        if sum(floors.values()) >= capacity:
+            assert shares == floors
+            continue
+        assert sum(shares.values()) <= capacity
+        by_id = {e.id: e for e in engines}
+        for i, si in shares.items():
+            if si >= wants[i]:
+                continue
+            for j, sj in shares.items():
+                if sj > floors[j]:
+                    wi, wj = by_id[i].weight, by_id[j].weight
+                    # Whole bytes: each share may be a byte off its level.
+                    assert (si + 1) / wi >= (sj - 1) / wj - 1e-9, (capacity, engines)
+        unused = capacity - sum(shares.values())
+        growable = [
+            i for i, s in shares.items() if by_id[i].demand_bytes and s < caps[i]
+        ]
+        assert unused == 0 or not growable, (capacity, engines, shares)
+
+
+# -- the controller -------------------------------------------------------------
+PAGE = 1 << 20
+CAPACITY = 100 * PAGE
+
+
+def holder(mapped_pages: int, **kw) -> EngineDemand:
+    kw.setdefault("used_bytes", mapped_pages * PAGE)
+    kw.setdefault("waiting_bytes", HUGE)
+    return EngineDemand("me", mapped_bytes=mapped_pages * PAGE, page_bytes=PAGE, **kw)
+
+
+def waiter(mapped_pages: int, since: float | None = 0.0, **kw) -> EngineDemand:
+    kw.setdefault("used_bytes", mapped_pages * PAGE)
+    kw.setdefault("waiting_bytes", 40 * PAGE if since is not None else 0)
+    return EngineDemand(
+        "other",
+        mapped_bytes=mapped_pages * PAGE,
+        page_bytes=PAGE,
+        waiting_since=since,
+        **kw,
+    )
+
+
+def controller(**options) -> FairShareController:
+    options.setdefault("bytes_per_s", 1000 * PAGE)
+    return FairShareController("me", PAGE, ReclaimOptions(**options))
+
+
+def test_nobody_waits_so_anyone_may_use_everything():
+    ctl = controller()
+    idle = waiter(5, since=None, used_bytes=0)
+    decision = ctl.step(10.0, CAPACITY, [holder(90), idle], 90, free_pages=30)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (100, 0)
+    assert not decision.preempt_allowed
+    # A waiter at its share does not take anything either.
+    full = waiter(50, since=0.0)
+    decision = ctl.step(11.0, CAPACITY, [holder(50), full], 50, free_pages=10)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (100, 0)
+    # Its own limit stays in force.
+    me = holder(40, limit_bytes=60 * PAGE)
+    decision = ctl.step(12.0, CAPACITY, [me, idle], 40, free_pages=0)
+    assert decision.effective_limit_pages == 60
+
+
+def test_a_waiter_below_its_share_caps_the_holder_and_takes_free_pages_first():
+    ctl = controller()
+    engines = [holder(80), waiter(10)]
+    decision = ctl.step(10.0, CAPACITY, engines, 80, free_pages=20)
+    assert decision.share_bytes == 50 * PAGE
+    assert decision.effective_limit_pages == 50
+    assert decision.reclaim_pages == 20  # the free pages, no preemption yet
+    assert not decision.preempt_allowed
+    # Free pages exhausted: nothing more until the preemption delay is over
+    # (the holder's requests finish and free pages meanwhile).
+    decision = ctl.step(11.0, CAPACITY, [holder(60), waiter(30)], 60, free_pages=0)
+    assert (decision.reclaim_pages, decision.preempt_allowed) == (0, False)
+    decision = ctl.step(12.0, CAPACITY, [holder(60), waiter(30)], 60, free_pages=2)
+    assert (decision.reclaim_pages, decision.preempt_allowed) == (10, True)
+
+
+def test_reclaim_is_bounded_by_the_rate():
+    ctl = controller(bytes_per_s=4 * PAGE, preempt_delay_s=0.0, dead_band=0.0)
+    reclaimed, mapped = [], 90
+    for step in range(60):
+        engines = [holder(mapped), waiter(100 - mapped)]
+        decision = ctl.step(10.0 + step * 0.25, CAPACITY, engines, mapped, 0)
+        assert decision.preempt_allowed == bool(decision.reclaim_pages)
+        reclaimed.append(decision.reclaim_pages)
+        mapped -= decision.reclaim_pages
+    # A burst of one second's worth, then 4 pages a second (one per step),
+    # down to within a page of the share.
+    assert reclaimed[:3] == [4, 1, 1]
+    assert reclaimed[:36] == [4] + [1] * 35 and not any(reclaimed[36:])
+    assert mapped == 51
+    # A rate of 0 never gives back, it only caps.
+    ctl = controller(bytes_per_s=0, preempt_delay_s=0.0)
+    decision = ctl.step(10.0, CAPACITY, [holder(90), waiter(10)], 90, free_pages=40)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (50, 0)
+
+
+def test_a_dead_band_around_the_share():
+    ctl = controller(dead_band=0.05)
+    # 2 pages above a share of 50: within 5% (2.5 pages), no reclaim; the
+    # cap holds it where it is.
+    decision = ctl.step(10.0, CAPACITY, [holder(52), waiter(10)], 52, free_pages=5)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (50, 0)
+    decision = ctl.step(10.0, CAPACITY, [holder(53), waiter(10)], 53, free_pages=5)
+    assert decision.reclaim_pages == 3
+    # A waiter within the band of its own share is not pressure.
+    ctl = controller(dead_band=0.05)
+    decision = ctl.step(10.0, CAPACITY, [holder(60), waiter(48)], 60, free_pages=5)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (100, 0)
+    # Without a band, one page still is: a page is the least one gives back.
+    ctl = controller(dead_band=0.0)
+    decision = ctl.step(10.0, CAPACITY, [holder(51), waiter(10)], 51, free_pages=5)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (50, 0)
+
+
+def test_a_momentary_wait_is_no_pressure():
+    ctl = controller(min_wait_s=0.5)
+    decision = ctl.step(10.0, CAPACITY, [holder(80), waiter(10, 9.7)], 80, 30)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (100, 0)
+    decision = ctl.step(10.2, CAPACITY, [holder(80), waiter(10, 9.7)], 80, 30)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (50, 30)
+
+
+def test_the_cap_holds_after_the_waiter_stops_waiting():
+    ctl = controller(hold_s=2.0)
+    decision = ctl.step(10.0, CAPACITY, [holder(70), waiter(10)], 70, free_pages=20)
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (50, 20)
+    # The waiter admitted what it waited for (its share is now what it
+    # uses): the holder does not grow back into the room before the hold is
+    # over, so the waiter's next requests find it.
+    satisfied = waiter(30, since=None)
+    for now in (10.5, 11.9):
+        decision = ctl.step(now, CAPACITY, [holder(50), satisfied], 50, 0)
+        assert decision.share_bytes == 70 * PAGE
+        assert (decision.effective_limit_pages, decision.reclaim_pages) == (50, 0)
+    decision = ctl.step(12.0, CAPACITY, [holder(50), satisfied], 50, 0)
+    assert decision.effective_limit_pages == 100
+    # Pressure again starts the hold again.
+    ctl.step(13.0, CAPACITY, [holder(60), waiter(10, since=12.0)], 60, free_pages=0)
+    decision = ctl.step(14.0, CAPACITY, [holder(60), satisfied], 60, 0)
+    assert decision.effective_limit_pages == 50
+
+
+def test_the_floor_is_never_reclaimed():
+    ctl = controller()
+    me = holder(70, floor_bytes=70 * PAGE)
+    decision = ctl.step(10.0, CAPACITY, [me, waiter(10)], 70, free_pages=30)
+    assert decision.share_bytes == 70 * PAGE
+    assert (decision.effective_limit_pages, decision.reclaim_pages) == (70, 0)
+
+
+def test_shares_are_bytes_and_each_engine_rounds_down_to_its_pages():
+    # A holder with 3 MiB pages and a waiter with 1 MiB pages: the share is
+    # 50 MiB, the holder's target 16 of its pages (48 MiB), so the waiter's
+    # share is free once the holder is there.
+    ctl = FairShareController("me", 3 * PAGE, ReclaimOptions(bytes_per_s=0))
+    me = EngineDemand("me", mapped_bytes=30 * 3 * PAGE, waiting_bytes=HUGE)
+    decision = ctl.step(10.0, CAPACITY, [me, waiter(10)], 30, free_pages=0)
+    assert decision.share_bytes == 50 * PAGE
+    assert decision.effective_limit_pages == 16
+
+
+def test_an_engine_missing_from_the_ledger_is_left_alone():
+    ctl = controller()
+    decision = ctl.step(10.0, CAPACITY, [waiter(10)], 80, free_pages=30)
+    assert (decision.reclaim_pages, decision.preempt_allowed) == (0, False)
+    assert decision.effective_limit_pages == 100
+
+
+# -- engines kept over-subscribed ---------------------------------------------------
+STEP_S = 0.05
+#: The device of the item "three engines sharing one GPU" (docs/BENCHMARKS.md,
+#: seventh runs): the shared capacity the third engine measured.
+SHARED = int(21.88 * GiB)
+#: Llama-3.1-8B's, Qwen3-8B's and a smaller page: shares are bytes, each
+#: engine rounds them to its own pages.
+PAGES = (128 * MiB, 144 * MiB, 64 * MiB)
+#: An engine is at its share once it is within the dead band (5%) or a
+#: page of it, plus a page for rounding to whole pages; it must get there
+#: within SETTLE_S of a change of demand or weight.
+SETTLE_S = 5.0
+WINDOW = 100  # steps (5 s) in which every engine decodes something
+
+
+def within_share(engine: SimEngine, share: float, start_s: float, end_s: float) -> None:
+    bound = max(0.05 * share, engine.page_bytes) + engine.page_bytes
+    for i in range(round(start_s / STEP_S), round(end_s / STEP_S)):
+        off = engine.mapped_bytes[i] - share
+        assert abs(off) <= bound, (engine.id, i * STEP_S, off / GiB)
+
+
+def starved_windows(engine: SimEngine) -> int:
+    first = round(engine.start_s / STEP_S)
+    served = engine.served
+    return sum(
+        1 for i in range(first, len(served) - WINDOW) if not any(served[i : i + WINDOW])
+    )
+
+
+def three_engines(fair: bool, request_steps: tuple[int, int]) -> list[SimEngine]:
+    """The peaks of docs/BENCHMARKS.md's sharing item, made permanent: 12
+    requests/s per engine, of 160-400 MiB of KV each, engines starting 10 s
+    apart; together they want more than twice the device."""
+    return [
+        SimEngine(
+            id=f"e{i}",
+            page_bytes=PAGES[i],
+            arrivals_per_s=12.0,
+            request_bytes=(160 * MiB, 400 * MiB),
+            request_steps=request_steps,
+            start_s=10.0 * i,
+            fair=fair,
+        )
+        for i in range(3)
+    ]
+
+
+def test_first_come_first_served_starves_the_later_engines():
+    """The workload of the tests below without the fair share: the first
+    engine keeps the device and the others never run a request."""
+    engines = three_engines(fair=False, request_steps=(40, 200))
+    Simulation(SHARED, engines, seed=0).run(60)
+    assert starved_windows(engines[0]) == 0
+    assert sum(engines[1].served) == sum(engines[2].served) == 0
+    assert engines[0].mapped_bytes[-1] > 0.95 * SHARED
+
+
+@pytest.mark.parametrize(
+    "request_steps", [(40, 200), (200, 1000)], ids=["short", "long-preempting"]
+)
+def test_three_engines_over_subscribed_share_by_weight(request_steps):
+    engines = three_engines(fair=True, request_steps=request_steps)
+    sim = Simulation(SHARED, engines, seed=0)
+    sim.run(60)
+    engines[0].weight = 2.0
+    sim.run(60)
+    for e in engines:
+        assert e.queue, "the device must stay over-subscribed"
+        assert starved_windows(e) == 0, e.id
+    # Even thirds once the last engine started, then 2:1:1.
+    for e in engines:
+        within_share(e, SHARED / 3, 20 + SETTLE_S, 60)
+        within_share(e, SHARED * (e.weight / 4), 60 + SETTLE_S, 120)
+        # Settled: no page given back and the mapping holds still.
+        for start, end in ((35, 60), (75, 120)):
+            window = slice(round(start / STEP_S), round(end / STEP_S))
+            assert sum(e.reclaimed[window]) == 0, e.id
+            assert direction_changes(e.mapped_bytes[window]) <= 1, e.id
+    preempted = sum(e.preempted for e in engines)
+    if request_steps == (200, 1000):
+        # Requests outlive the preemption delay: pages came by preemption.
+        assert preempted > 0
+    else:
+        # Requests finish within it: finished requests' pages sufficed.
+        assert preempted == 0
+
+
+def test_two_engines_stay_over_subscribed_and_both_progress():
+    engines = [
+        SimEngine(
+            id=f"e{i}",
+            page_bytes=128 * MiB,
+            arrivals_per_s=6.0,
+            request_bytes=(160 * MiB, 400 * MiB),
+            request_steps=(40, 400),
+            weight=(2.0, 1.0)[i],
+        )
+        for i in range(2)
+    ]
+    capacity = 12 * GiB
+    Simulation(capacity, engines, seed=1).run(180)
+    for e, share in zip(engines, (capacity * 2 / 3, capacity / 3)):
+        assert e.queue, "the device must stay over-subscribed"
+        assert starved_windows(e) == 0, e.id
+        within_share(e, share, 20, 180)
+        # Requests finish in every 30 s.
+        per_30s = round(30 / STEP_S)
+        steps = len(e.finished)
+        assert all(sum(e.finished[i : i + per_30s]) for i in range(0, steps, per_30s))
+    assert direction_changes(engines[0].mapped_bytes[400:]) <= 2
+
+
+def run_edge(options: ReclaimOptions) -> list[SimEngine]:
+    """Two engines whose demand crosses the device's now and then: waiters
+    come and go."""
+    engines = [
+        SimEngine(
+            id=f"e{i}",
+            page_bytes=(128 * MiB, 64 * MiB)[i],
+            arrivals_per_s=2.0,
+            request_bytes=(160 * MiB, 400 * MiB),
+            request_steps=(40, 200),
+        )
+        for i in range(2)
+    ]
+    Simulation(8 * GiB, engines, seed=1, options=options).run(100)
+    return engines
+
+
+def test_hysteresis_spares_preemptions_and_trades_where_waiters_come_and_go():
+    calm = run_edge(ReclaimOptions())
+    none = ReclaimOptions(
+        dead_band=0.0, hold_s=0.0, min_wait_s=0.0, preempt_delay_s=0.0
+    )
+    jumpy = run_edge(none)
+
+    def total(engines: list[SimEngine], what) -> int:
+        return sum(what(e) for e in engines)
+
+    preempted = total(calm, lambda e: e.preempted), total(jumpy, lambda e: e.preempted)
+    assert preempted[0] * 10 <= preempted[1], preempted
+    reclaimed = (
+        total(calm, lambda e: sum(e.reclaimed)),
+        total(jumpy, lambda e: sum(e.reclaimed)),
+    )
+    assert reclaimed[0] < reclaimed[1], reclaimed
+    turns = (
+        total(calm, lambda e: direction_changes(e.mapped_bytes)),
+        total(jumpy, lambda e: direction_changes(e.mapped_bytes)),
+    )
+    assert turns[0] <= 0.75 * turns[1], turns
+    assert all(starved_windows(e) == 0 for e in calm)

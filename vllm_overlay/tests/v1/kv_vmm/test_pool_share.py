@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fair share in the block pool: two engines' pools on one host ledger
+(real files, one clock): demand published, the holder capped at its share
+while the other waits, free pages given back first, preemption only after
+the delay, first come first served kept as an option, a weight changed
+through the ledger CLI moving the shares, and the ledger's new fields
+checked like the others."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from vllm.v1.kv_vmm.ledger import KVMemoryLedger, LedgerError
+from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
+from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
+from vllm.v1.kv_vmm.scheduler import PagedBlockPool
+
+BPP = 4  # blocks per page
+PAGE = 1 << 20
+NUM_BLOCKS = 64  # 16 pages: the device's capacity
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ShareOptions:
+    kv_cache_vmm_share_policy: str = "fair"
+    kv_cache_vmm_share_weight: float = 1.0
+    kv_cache_vmm_reclaim_bytes_per_s: int = 64 * PAGE
+    kv_cache_vmm_reclaim_preempt_delay: float = 2.0
+
+
+@dataclass
+class Waiting:
+    num_tokens: int
+
+
+def make_pool(name: str, clock: Clock, **share) -> PagedBlockPool:
+    """An engine's pool without page reports (blocks of new pages are handed
+    out at once), a long shrink delay (pages stay mapped unless the share
+    takes them), on the host ledger of 16 pages."""
+    policy = KVPagePolicy(
+        granularity=2 << 20,
+        blocks_per_page=BPP,
+        max_pages=NUM_BLOCKS // BPP,
+        headroom_pages=1,
+        shrink="idle",
+        shrink_delay_s=1000.0,
+        device_page_bytes=PAGE,
+        ahead_blocks=BPP,
+        ledger=KVLedgerOptions(
+            devices={"host": PAGE}, capacity_bytes=16 * PAGE, floor_bytes=0, name=name
+        ),
+    )
+    pool = PagedBlockPool(
+        num_gpu_blocks=NUM_BLOCKS,
+        enable_caching=True,
+        hash_block_size=16,
+        policy=policy,
+    )
+    pool.clock = clock
+    pool.set_share_options(ShareOptions(**share))
+    return pool
+
+
+def step(pool: PagedBlockPool, clock: Clock, seconds: float = 0.1):
+    clock.now += seconds
+    return pool.take_page_ops()
+
+
+def entry(name: str):
+    state = KVMemoryLedger("host").read()
+    return next(e for e in state.entries if e.name == name)
+
+
+def wait_for(pool: PagedBlockPool, blocks: int) -> None:
+    """Requests of ``blocks`` blocks (16 tokens each) wait in ``pool``."""
+    pool.note_waiting([Waiting(16 * blocks)], 8, 16)
+
+
+def hold(pool: PagedBlockPool, num_blocks: int) -> list:
+    return pool.get_new_blocks(num_blocks)
+
+
+def test_demand_and_weight_are_published(ledger_base):
+    clock = Clock()
+    a = make_pool("a", clock, kv_cache_vmm_share_weight=2.0)
+    held = hold(a, 10)
+    wait_for(a, 100)
+    step(a, clock)
+    e = entry("a")
+    assert e.weight == 2.0 and e.page_bytes == PAGE
+    assert e.used_bytes == 3 * PAGE  # 10 blocks in use: 3 pages
+    assert e.waiting_bytes > 0 and e.waiting_since == clock.now - 0.1
+    a.free_blocks(held)
+    wait_for(a, 0)
+    step(a, clock)
+    e = entry("a")
+    assert e.waiting_bytes == 0 and e.waiting_since is None
+    a.close()
+
+
+def grow_then_idle(a: PagedBlockPool, clock: Clock) -> int:
+    """A maps 14 of the 16 pages for a peak, then its requests finish (the
+    pages stay mapped: free, cached)."""
+    held = hold(a, 14 * BPP - 1)
+    step(a, clock)
+    a.free_blocks(held)
+    step(a, clock)
+    return a.num_mapped_pages
+
+
+def test_a_waiting_engine_below_its_share_gets_free_pages_back(ledger_base):
+    clock = Clock()
+    a = make_pool("a", clock)
+    peak = grow_then_idle(a, clock)
+    assert peak >= 14
+    b = make_pool("b", clock)
+    # B's requests need 10 pages; the ledger has no room for them.
+    wait_for(b, 10 * BPP)
+    step(b, clock)
+    # A momentary wait changes nothing.
+    assert not step(a, clock, 0.1)
+    assert a.admission_reserve_blocks() == 0
+    # Once B waited 0.25 s, A's effective limit is its share and it gives
+    # its free pages back down to it at its next step (within the rate: 64
+    # pages a second). A has no demand: its share is its floor (0 here), less
+    # than a step's worth, so it keeps only the null block's page.
+    clock.now += 0.3
+    b.take_page_ops()
+    assert a.page_step_due_in() == 0.0  # an idle engine steps for it
+    ops = step(a, clock)
+    assert ops is not None and ops.unmap
+    assert a.num_mapped_pages == 1
+    assert a._page_limit == 0 and a.policy.max_pages == 16  # the operator's
+    assert a.num_share_reclaimed_pages_total == peak - a.num_mapped_pages
+    # B now has room up to its share.
+    ops = step(b, clock)
+    assert b.get_num_free_blocks() >= 6 * BPP
+    a.close()
+    b.close()
+
+
+def test_first_come_keeps_what_it_mapped(ledger_base):
+    clock = Clock()
+    a = make_pool("a", clock, kv_cache_vmm_share_policy="first-come")
+    peak = grow_then_idle(a, clock)
+    b = make_pool("b", clock)
+    wait_for(b, 10 * BPP)
+    for _ in range(10):
+        step(b, clock, 0.2)
+        assert not step(a, clock, 0.2)
+    assert a.num_mapped_pages == peak
+    a.close()
+    b.close()
+
+
+def test_new_requests_stay_out_of_pages_beyond_the_share(ledger_base):
+    clock = Clock()
+    a = make_pool("a", clock, kv_cache_vmm_reclaim_bytes_per_s=0)
+    held = hold(a, 14 * BPP - 1)  # all in use: nothing to give back
+    step(a, clock)
+    b = make_pool("b", clock)
+    wait_for(b, 10 * BPP)
+    step(b, clock)
+    clock.now += 0.3
+    b.take_page_ops()
+    step(a, clock)
+    assert a._page_limit == 8
+    # Its running requests free blocks: they stay free for them, not for new
+    # requests (rate 0: nothing is given back, only growth stops).
+    a.free_blocks(held[-2 * BPP :])
+    step(a, clock)
+    assert a.admission_reserve_blocks() == a.free_block_queue.num_free_blocks > 0
+    assert a.share_preempt_pages() == 0
+    a.free_blocks(held[: -2 * BPP])
+    a.close()
+    b.close()
+
+
+def test_preemption_only_after_the_delay_and_within_the_rate(ledger_base):
+    clock = Clock()
+    a = make_pool("a", clock, kv_cache_vmm_reclaim_bytes_per_s=2 * PAGE)
+    held = hold(a, 14 * BPP - 1)  # every page in use
+    step(a, clock)
+    b = make_pool("b", clock)
+    wait_for(b, 10 * BPP)
+    step(b, clock)
+    clock.now += 0.3
+    b.take_page_ops()
+    step(a, clock)
+    # Pages owed, none free: requests finish on their own for 2 s ...
+    assert a.share_preempt_pages() == 0
+    for _ in range(8):
+        b.take_page_ops()
+        step(a, clock, 0.25)
+    # ... then preempting is allowed, for at most a second's worth of the
+    # rate (2 pages).
+    owed = a.share_preempt_pages()
+    assert 0 < owed <= 2
+    a.free_blocks(held)
+    a.close()
+    b.close()
+
+
+def test_a_weight_set_through_the_cli_moves_the_shares(ledger_base, capsys):
+    clock = Clock()
+    a = make_pool("a", clock)
+    b = make_pool("b", clock)
+    held_a, held_b = hold(a, 7 * BPP), hold(b, 7 * BPP)
+    wait_for(a, 40)
+    wait_for(b, 40)
+    step(a, clock)
+    step(b, clock)
+    assert a._share.decision.share_bytes == b._share.decision.share_bytes == 8 * PAGE
+    assert ledger_cli(["set", "a", "--key", "host", "--weight", "3"]) == 0
+    step(a, clock)
+    step(b, clock)
+    assert a._share.decision.share_bytes == 12 * PAGE
+    assert b._share.decision.share_bytes == 4 * PAGE
+    assert ledger_cli(["list", "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    shares = {e["name"]: (e["weight"], e["share_bytes"]) for e in doc["entries"]}
+    assert shares == {"a": (3.0, 12 * PAGE), "b": (1.0, 4 * PAGE)}
+    assert ledger_cli(["list"]) == 0
+    text = capsys.readouterr().out
+    assert "demand" in text and "share" in text and "weight" in text
+    assert ledger_cli(["set", "a", "--key", "host", "--weight", "0"]) == 2
+    assert "not a positive number" in capsys.readouterr().err
+    a.free_blocks(held_a)
+    b.free_blocks(held_b)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("weight", 0),
+        ("weight", "2"),
+        ("weight", 1e9),
+        ("waiting_bytes", -1),
+        ("waiting_since", "yesterday"),
+        ("used_bytes", 1.5),
+        ("page_bytes", 0),
+    ],
+)
+def test_the_share_fields_of_a_ledger_are_checked(ledger_base, field, value):
+    clock = Clock()
+    a = make_pool("a", clock)
+    ledger = KVMemoryLedger("host")
+    with open(ledger.path) as f:
+        doc = json.load(f)
+    doc["entries"][0][field] = value
+    with open(ledger.path, "w") as out:
+        json.dump(doc, out)
+    with pytest.raises(LedgerError, match=field):
+        ledger.read()
+    a.close()
+
+
+def test_an_entry_without_the_share_fields_reads_as_an_older_engine(ledger_base):
+    clock = Clock()
+    a = make_pool("a", clock)
+    ledger = KVMemoryLedger("host")
+    with open(ledger.path) as f:
+        doc = json.load(f)
+    for field in ("used_bytes", "waiting_bytes", "waiting_since", "weight"):
+        del doc["entries"][0][field]
+    with open(ledger.path, "w") as out:
+        json.dump(doc, out)
+    demand = ledger.read().entries[0].demand()
+    assert demand.weight == 1.0 and demand.waiting_bytes == 0
+    assert demand.used_bytes == demand.mapped_bytes
+    a.close()

@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fair share of a device, as a paged block pool acts on it.
+
+With ``--kv-cache-vmm-shared`` and ``--kv-cache-vmm-share-policy fair``
+(the default), the pool publishes in each device ledger what its waiting
+requests need and steps a :class:`~vllm.v1.kv_vmm.fair_share.FairShareController`
+per device where it reads the ledgers. While another engine below its share
+waits, the decision caps this engine at its share (an effective limit of its
+own: the operator's page limit stays as it is): it maps no page beyond it,
+admits no new request into the free blocks beyond it, gives free pages back
+(cached prefix blocks on them evicted) within the reclaim rate and, once
+the pressure lasted the preemption delay, has the scheduler preempt its
+newest running requests for the rest (vLLM's own preemption: they are
+recomputed later). The last running request is never preempted.
+"""
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+from vllm.v1.kv_vmm.device_share import DeviceShare
+from vllm.v1.kv_vmm.fair_share import ReclaimOptions
+from vllm.v1.kv_vmm.pages import KVPagePolicy, KVShareOptions
+
+logger = init_logger(__name__)
+
+
+class FairShareMixin:
+    """Fair-share rules of :class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool`."""
+
+    policy: KVPagePolicy
+    free_block_queue: FreeKVCacheBlockQueue
+    clock: Callable[[], float]
+    _share: DeviceShare | None
+    _num_mapped_blocks: int
+
+    if TYPE_CHECKING:
+
+        @property
+        def _num_held(self) -> int: ...
+
+        def _surplus_pages(self, keep_blocks: int | None = None) -> list[int]: ...
+
+        def _ahead_target(self) -> int: ...
+
+        def _inflight_blocks(self) -> int: ...
+
+        def _unmap(self, pages: Iterable[int]) -> None: ...
+
+    def _init_fair_share(self) -> None:
+        # The last decision: the effective limit (None: the page limit),
+        # pages still to give back, whether preempting for them is allowed.
+        self._share_limit: int | None = None
+        self._share_reclaim = 0
+        self._share_preempt = False
+        # What the waiting requests need beyond the free blocks, and since
+        # when they have (the host's monotonic clock).
+        self._waiting_blocks = 0
+        self._waiting_since: float | None = None
+        self.num_share_reclaimed_pages_total = 0
+
+    @property
+    def _fair(self) -> bool:
+        return self._share is not None and bool(self._share.controllers)
+
+    @property
+    def _page_limit(self) -> int:
+        """Pages the pool may hold now: the page limit, or the effective
+        limit of the fair share where that is lower."""
+        limit = self.policy.max_pages
+        if self._share_limit is not None:
+            limit = min(limit, self._share_limit)
+        return limit
+
+    def set_share_options(self, options: KVShareOptions) -> None:
+        """The scheduler's call at startup: with a device ledger and the
+        fair policy, share the devices fairly from now on (first come,
+        first served before and otherwise)."""
+        if self._share is None or options.kv_cache_vmm_share_policy != "fair":
+            return
+        reclaim = ReclaimOptions(
+            bytes_per_s=options.kv_cache_vmm_reclaim_bytes_per_s,
+            preempt_delay_s=options.kv_cache_vmm_reclaim_preempt_delay,
+        )
+        self._share.start_fair_share(options.kv_cache_vmm_share_weight, reclaim)
+        logger.info(
+            "KV memory of %s is shared fairly (weight %g, reclaim up to %d bytes "
+            "per second, preemption after %.1f s of pressure)",
+            ", ".join(self._share.devices),
+            options.kv_cache_vmm_share_weight,
+            reclaim.bytes_per_s,
+            reclaim.preempt_delay_s,
+        )
+
+    def _share_surplus(self) -> list[int]:
+        """Free pages the fair share can take back: beyond a step's worth of
+        free blocks, or, below that, beyond what the effective limit leaves
+        beside the blocks in use (an engine capped at a share smaller than
+        a step's worth keeps no more), and beyond the floor."""
+        keep = self._ahead_target()
+        if self._share_limit is not None:
+            bpp = self.policy.blocks_per_page
+            free = self.free_block_queue.num_free_blocks
+            in_use = self._num_mapped_blocks - free  # the null block's included
+            keep = min(keep, max(self._share_limit * bpp - in_use, 0))
+        return self._surplus_pages(keep)
+
+    def _step_share(self, now: float) -> None:
+        """Step the controllers on the ledgers just read."""
+        assert self._share is not None
+        decision = self._share.decide(now, len(self._share_surplus()))
+        if decision is None:
+            self._share_limit, self._share_reclaim = None, 0
+            self._share_preempt = False
+            return
+        limit = decision.effective_limit_pages
+        self._share_limit = limit if limit < self.policy.max_pages else None
+        self._share_reclaim = decision.reclaim_pages
+        self._share_preempt = decision.preempt_allowed
+
+    def _give_back_share(self) -> None:
+        """Unmap free pages the decision asked for (highest first, beyond a
+        step's worth of free blocks and the floor, cached prefix blocks on
+        them evicted)."""
+        pages = self._share_surplus()[: self._share_reclaim]
+        if pages:
+            self._unmap(pages)
+            self._share_reclaim -= len(pages)
+            self.num_share_reclaimed_pages_total += len(pages)
+
+    def _publish_demand(self) -> None:
+        assert self._share is not None
+        bpp = self.policy.blocks_per_page
+        used = self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
+        self._share.publish(
+            self.clock(),
+            -(-max(used, 0) // bpp),
+            -(-self._waiting_blocks // bpp),
+            self._waiting_since,
+        )
+
+    def note_waiting(
+        self,
+        requests: Iterable[Any],
+        max_requests: int,
+        block_size: int,
+        num_groups: int = 1,
+    ) -> None:
+        """The scheduler's call after it admitted what it could: the first
+        ``max_requests`` waiting requests (the running ones' free slots)
+        with their tokens in blocks of ``block_size`` in each of the
+        ``num_groups`` KV cache groups, beyond the free blocks, is what
+        this engine waits for (a cheap estimate: prefix cache hits are not
+        looked up)."""
+        if not self._fair:
+            return
+        need = sum(
+            -(-request.num_tokens // block_size) * num_groups
+            for request in itertools.islice(requests, max(max_requests, 0))
+        )
+        free = self.free_block_queue.num_free_blocks + self._inflight_blocks()
+        self._waiting_blocks = max(need - free, 0)
+        if not self._waiting_blocks:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = self.clock()
+
+    def admission_reserve_blocks(self) -> int:
+        """Free blocks a waiting or preempted request may not take: those of
+        the pages held beyond the effective limit (running requests keep
+        decoding into them)."""
+        if self._share_limit is None:
+            return 0
+        excess = self._num_held - self._share_limit
+        if excess <= 0:
+            return 0
+        bpp = self.policy.blocks_per_page
+        return min(self.free_block_queue.num_free_blocks, excess * bpp)
+
+    def share_preempt_pages(self) -> int:
+        """Pages still to give back that free pages do not cover, once the
+        fair share allows preempting for them (0 otherwise): the scheduler
+        preempts its newest running request while this is positive and
+        more than one request runs."""
+        if not self._share_preempt or self._share_reclaim <= 0:
+            return 0
+        return self._share_reclaim - len(self._share_surplus())
