@@ -52,6 +52,12 @@ def ledger_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def ledger_dir(ledger_base: Path) -> Path:
+    """The ledgers and page reports of a test (``ledger_base``)."""
+    return ledger_base
+
+
 class MapFailures:
     """The device out of memory, on demand: physical allocations of the host
     backend fail as out of memory at ``rate`` (0.0 to 1.0), drawn from a

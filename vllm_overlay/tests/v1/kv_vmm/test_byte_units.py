@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.utils import Clock, requires_vmm_kv_wiring
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -45,20 +45,6 @@ pytestmark = [requires_vmm_kv_wiring, pytest.mark.skip_global_cleanup]
 SHAPES = {"tp2": (2, 1, [2, 2]), "pp2": (1, 2, [3, 1])}
 # Where the ranks' KV memory lives: a GPU each, or both on the host device.
 DEVICES = {"two-gpus": ["GPU-units-0", "GPU-units-1"], "host": ["host", "host"]}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def ledger_dir(ledger_base):
-    # Ledgers of this test only (conftest.py's directory).
-    return ledger_base
 
 
 def rank_configs(tmp_path, shape: str) -> list[KVCacheConfig]:
@@ -117,7 +103,7 @@ def make_pool(policy: KVPagePolicy, configs: list[KVCacheConfig]) -> PagedBlockP
         hash_block_size=16,
         policy=policy,
     )
-    pool.clock = Clock()
+    pool.clock = Clock(0.0)
     return pool
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.utils import Clock, requires_vmm_kv_wiring
 from vllm.v1.kv_vmm import scheduler as scheduler_module
 from vllm.v1.kv_vmm import worker as worker_module
 from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError
@@ -25,20 +25,6 @@ from vllm.v1.kv_vmm.scheduler import MAP_RETRY_MIN_S, PagedBlockPool
 from vllm.v1.kv_vmm.worker import KVPageMapper
 
 BPP = 4  # blocks per page
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def ledger_dir(ledger_base):
-    # Page reports and ledgers of this test only (conftest.py's directory).
-    return ledger_base
 
 
 def make_policy(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.v1.kv_vmm.utils import Clock
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger, LedgerError
 from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
 from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
@@ -20,14 +21,6 @@ from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 BPP = 4  # blocks per page
 PAGE = 1 << 20
 NUM_BLOCKS = 64  # 16 pages: the device's capacity
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

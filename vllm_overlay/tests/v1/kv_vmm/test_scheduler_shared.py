@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.v1.kv_vmm.utils import Clock
 from vllm.v1.kv_vmm.ledger import (
     STAMP_SETTLE_S,
     KVMemoryLedger,
@@ -27,20 +28,6 @@ from vllm.v1.kv_vmm.scheduler import (
 
 BPP = 4
 PAGE = 1 << 20
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def ledger_dir(ledger_base):
-    # The tests' own base directory (VLLM_KV_VMM_LEDGER_DIR, conftest.py).
-    return ledger_base
 
 
 def make_pool(

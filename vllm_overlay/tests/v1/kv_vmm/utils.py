@@ -144,3 +144,13 @@ class ForkedUser:
             os.waitpid(self.pid, 0)
             os.close(self._in)
             self._out.close()
+
+
+class Clock:
+    """A clock the tests move by hand: ``now``, in seconds."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
