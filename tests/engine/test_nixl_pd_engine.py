@@ -140,6 +140,9 @@ def test_disaggregated_vmm_kv_through_ucx_with_the_same_host_path_off(pd_model, 
     assert "same-host" not in (tmp_path / "decode.log").read_text()
 
 
+# Slow: UCX reads of VMM memory are CI's same-host-off case; the fallback count is a unit test
+# (test_transfers.py).
+@pytest.mark.slow
 def test_disaggregated_stock_prefill_vmm_decode_reads_through_ucx(pd_model, reference,
                                                                  tmp_path):
     """A mixed pair: the stock prefill instance has no VMM chunks to share. The VMM decode
@@ -154,6 +157,9 @@ def test_disaggregated_stock_prefill_vmm_decode_reads_through_ucx(pd_model, refe
     assert decode["nixl"][-1].get("vllm:nixl_num_same_host_fallbacks", 0) >= 1
 
 
+# Slow: the same mixed pair runs in tests/gpu/test_nixl_pd_gpu.py on a GPU host; the same-host
+# reads are CI's VMM pair.
+@pytest.mark.slow
 def test_disaggregated_vmm_prefill_stock_decode_reads_through_shared_memory(pd_model, reference,
                                                                             tmp_path):
     """The other mixed pair: a VMM prefill instance shares its chunks and the stock decode
