@@ -149,6 +149,9 @@ def test_vmm_token_ids_match_default_memory_follows_load_and_limit(kv_model):
     assert stats[6][1]["kv_limit_bytes"] == capacity * stats[6][1]["kv_page_bytes"]
 
 
+# Slow: the step's map-ahead is a unit test (test_scheduler_pages.py); CI's engine case is
+# the token-id one.
+@pytest.mark.slow
 def test_vmm_burst_beyond_the_mapped_pages_in_one_step(kv_model):
     """A request that needs more KV pages than the idle engine has mapped: it waits one step,
     an empty one before which every rank maps what it lacks (a step's worth) and reports it; it
@@ -194,6 +197,8 @@ def test_vmm_burst_beyond_the_mapped_pages_in_one_step(kv_model):
     assert after["kv_mapped_bytes"] == page
 
 
+# Slow: CI runs TP=2 CPU engines in test_vmm_kv_map_failures.py.
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 on CPU needs 2 cores")
 def test_vmm_tensor_parallel_2(kv_model, monkeypatch):
     """TP=2 (the CPU backend's two workers, one core each) starts and serves with the option
@@ -233,6 +238,8 @@ def _kv_page_metrics(llm) -> dict[str, float]:
             if m.name in names and m.labels.get("engine") == "0"}
 
 
+# Slow: the page counters and metrics are unit tests (test_metrics.py).
+@pytest.mark.slow
 def test_vmm_metrics_follow_load(kv_model):
     """Mapped KV bytes and the pages mapped/unmapped counters reach vLLM's stat loggers
     (LLM.get_metrics() reads the Prometheus logger): they rise with a batch that needs more
@@ -290,6 +297,8 @@ def _kv_memfd(worker) -> tuple[int, int]:
     return os.getpid(), worker.model_runner.kv_page_mapper.table.backend._fd
 
 
+# Slow: the shrink delay is a unit test (test_scheduler_pages.py); this waits it out.
+@pytest.mark.slow
 def test_vmm_shrink_delay_keeps_pages_between_bursts_then_wakes_up(kv_model):
     """--kv-cache-vmm-shrink-delay: a burst right after another (within the delay) maps no
     new page, and once the engine has stayed idle for the delay it gives the pages back by

@@ -95,6 +95,8 @@ def reference_ids(kv_model) -> list[list[int]]:
 @pytest.mark.parametrize(
     "shared", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shared", "alone"]
 )
+# Slow: CI's map-failure engine cases are test_vmm_kv_map_failures.py (TP=1 and 2).
+@pytest.mark.slow
 def test_injected_map_failures_keep_the_engine_and_its_tokens(
         kv_model, reference_ids, ledger_dir, tmp_path, monkeypatch, shared):
     # 30% of the physical allocations fail as if the device were full (kv_map_failures.py, a
@@ -127,6 +129,9 @@ def _wait(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+# Slow: CI's two-engine case is test_vmm_kv_fair_share_engine.py (same host ledger, token
+# ids equal the default backend).
+@pytest.mark.slow
 def test_two_engines_share_the_host_ledger(kv_model, reference_ids, ledger_dir):
     from vllm.v1.kv_vmm.ledger import KVMemoryLedger
     from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
@@ -177,6 +182,8 @@ def _page_bytes(worker) -> int:
     return worker.model_runner.kv_page_mapper.policy.device_page_bytes
 
 
+# Slow: giving a peak back after the delay is a unit test (test_scheduler_shared.py).
+@pytest.mark.slow
 def test_busy_engine_gives_back_its_peak(tmp_path, ledger_dir, monkeypatch):
     # A burst of 3 long prompts maps most of the engine's 16 pages; a long request (the
     # trickle) keeps the engine busy after it. A step's worth of free blocks stays mapped (2
