@@ -6,14 +6,17 @@ preempted, by vLLM's own scheduler) and proceed once the memory is back;
 nothing waits for memory without an end, and an engine that cannot map its
 startup pages fails at once with what holds the memory."""
 
-import json
 import threading
 import time
 
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import Clock, requires_vmm_kv_wiring
+from tests.v1.kv_vmm.utils import (
+    Clock,
+    requires_vmm_kv_wiring,
+    write_tiny_llama_config,
+)
 from vllm.v1.kv_vmm import scheduler as scheduler_module
 from vllm.v1.kv_vmm import worker as worker_module
 from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError
@@ -214,19 +217,7 @@ def make_scheduler(tmp_path, monkeypatch, policy: KVPagePolicy, num_blocks: int)
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "num_hidden_layers": 1,
-        "vocab_size": 1000,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "float16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tiny_llama_config(tmp_path)
     # The engine core attaches the policy to the scheduler's KV cache config.
     monkeypatch.setattr(
         core_utils,

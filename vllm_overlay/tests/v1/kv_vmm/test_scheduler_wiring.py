@@ -4,12 +4,11 @@
 step message, an empty step gives pages back once the grace period is over, and
 the stats carry the counters."""
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring, write_tiny_llama_config
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_vmm.pages import KVPagePolicy
@@ -32,20 +31,7 @@ NUM_BLOCKS = 64
 @pytest.fixture
 def model_dir(tmp_path: Path) -> str:
     """A local model config (no download, no tokenizer)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "num_hidden_layers": 1,
-        "vocab_size": 1000,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "float16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return str(tmp_path)
+    return write_tiny_llama_config(tmp_path)
 
 
 def make_scheduler(model_dir: str, monkeypatch, policy: KVPagePolicy | None):

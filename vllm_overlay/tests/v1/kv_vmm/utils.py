@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,24 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def write_tiny_llama_config(path: Path) -> str:
+    """A one-layer Llama config in ``path`` (no weights, no tokenizer): a
+    model for vLLM's scheduler test helpers; returns the directory."""
+    import json
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float16",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
