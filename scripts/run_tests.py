@@ -67,7 +67,9 @@ def pytest(python: str, args: list[str], cwd: Path, label: str, results: list,
            env: dict | None = None) -> None:
     with tempfile.NamedTemporaryFile(suffix=".xml", delete=False) as f:
         xml = f.name
-    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
+    # The slowest cases are listed: what CI's time goes to is in every run's log.
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--durations=10",
+           f"--junitxml={xml}", *args]
     print(f"\n=== {label}: {' '.join(cmd)}  (in {cwd})", flush=True)
     rc, seconds = timed_call(cmd, cwd=cwd, env={**os.environ, **ENV, **(env or {})})
     counts = {"passed": 0, "failed": 0, "skipped": 0}

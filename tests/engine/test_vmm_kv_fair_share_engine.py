@@ -156,7 +156,7 @@ def test_two_over_subscribed_engines_share_by_weight(tmp_path, ledger_dir):
         (page,) = set(llms["a"].collective_rpc(_page_bytes))
         run = ["--key", "host"]
         assert ledger_cli(["capacity", str(CAPACITY_PAGES * page), *run], str(ledger_dir)) == 0
-        llms["b"] = _llm(model, **OPTIONS)
+        llms["b"] = _llm(model, half=1, **OPTIONS)
         # Entries in the order the engines joined (their names are their pids). A floor of
         # one page each (the null block's), so that shares follow the weights.
         entries = list(_entries(ledger_dir).values())

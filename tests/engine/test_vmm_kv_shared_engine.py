@@ -34,14 +34,40 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + 3 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
 
 
-def _llm(model: Path, backend: str = "vmm", **kwargs):
+def _cpus(half: int) -> dict[str, str]:
+    """The OpenMP binding of an engine's worker to one half of this host's CPUs. vLLM's
+    automatic binding puts every engine's worker on the same cores: on two cores an engine
+    started beside a busy one got no CPU time and was not up after 10 minutes."""
+    from bench_pd import cpu_halves
+
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpu_halves()[half]))}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """``values`` in the environment while an engine starts its processes."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _llm(model: Path, backend: str = "vmm", half: int = 0, **kwargs):
+    """An offline engine whose worker runs on CPU half ``half`` (0 or 1)."""
     from vllm import LLM
 
     options = {"max_num_seqs": 8, "max_num_batched_tokens": 8192, **kwargs}
-    return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-               enforce_eager=True, max_model_len=1024, seed=0,
-               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
-               kv_cache_memory_backend=backend, **options)
+    with _environ(_cpus(half)):
+        return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+                   enforce_eager=True, max_model_len=1024, seed=0,
+                   kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
+                   kv_cache_memory_backend=backend, **options)
 
 
 def _generate(llm) -> list[list[int]]:
@@ -147,7 +173,7 @@ def test_two_engines_share_the_host_ledger(kv_model, reference_ids, ledger_dir):
         run = ["--key", "host"]
         assert ledger_cli(["capacity", str(capacity), *run], str(ledger_dir)) == 0
         (name_a,) = _entries(ledger_dir)
-        b = _llm(kv_model, **options)
+        b = _llm(kv_model, half=1, **options)
         (name_b,) = set(_entries(ledger_dir)) - {name_a}
         for name in (name_a, name_b):
             args = ["set", _entries(ledger_dir)[name]["id"], "--floor-bytes", str(2 * page)]
@@ -246,12 +272,12 @@ def test_busy_engine_gives_back_its_peak(tmp_path, ledger_dir, monkeypatch):
         _shutdown(llm)
 
 
-def _serve(model: Path, log: Path, **engine):
+def _serve(model: Path, log: Path, half: int = 0, **engine):
     from bench_server import Server
 
     options = {"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True,
                "max_num_seqs": 8, "kv_cache_vmm_shared": True, **engine}
-    return Server(str(model), "vmm", options, log, dict(os.environ))
+    return Server(str(model), "vmm", options, log, {**os.environ, **_cpus(half)})
 
 
 def test_garbage_in_the_ledger_never_takes_a_serving_engine_down(kv_model, ledger_dir, tmp_path):
@@ -268,14 +294,20 @@ def test_garbage_in_the_ledger_never_takes_a_serving_engine_down(kv_model, ledge
     log = tmp_path / "server.log"
     server = _serve(kv_model, log)
     results: list[dict] = []
-    stop = threading.Event()
+    stop, paused = threading.Event(), threading.Event()
+    asking = [False, False]
 
     def client(i: int) -> None:
         n = 0
         while not stop.is_set():
+            if paused.is_set():
+                time.sleep(0.1)
+                continue
             n += 1
             prompt = [(13 * i + 7 * n + j) % 4000 + 1 for j in range(200)]
+            asking[i] = True
             results.append(stream_completion(server.port, str(kv_model), prompt, 8, 120))
+            asking[i] = False
 
     clients = [threading.Thread(target=client, args=(i,)) for i in range(2)]
     try:
@@ -292,15 +324,20 @@ def test_garbage_in_the_ledger_never_takes_a_serving_engine_down(kv_model, ledge
         _wait(lambda: len(results) >= served + 4, timeout=120)
         assert server.proc.poll() is None, log.read_text()[-3000:]
 
-        # A new engine against the garbage ledger refuses to start, naming the file.
+        # A new engine against the garbage ledger refuses to start, naming the file. The
+        # clients pause meanwhile: on a small host a busy server leaves a starting one so
+        # little CPU time that it did not reach the ledger in 10 minutes.
+        paused.set()
+        _wait(lambda: not any(asking), timeout=180)
         log_b = tmp_path / "server-b.log"
-        b = _serve(kv_model, log_b)
+        b = _serve(kv_model, log_b, half=1)
         try:
-            assert "error" in b.wait_healthy(600)
-            b.proc.wait(60)
+            health_b = b.wait_healthy(600)
+            assert b.proc.poll() is not None, f"it did not end: {health_b}"
         finally:
             with contextlib.suppress(ProcessLookupError):  # its group is gone with it
                 b.stop()
+        paused.clear()
         assert b.proc.returncode != 0
         refusal = f"KV memory ledger {ledger.path} is not valid: not JSON"
         assert refusal in log_b.read_text(), log_b.read_text()[-3000:]

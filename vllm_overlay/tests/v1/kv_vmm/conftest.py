@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import requires_cuda_vmm
+from tests.v1.kv_vmm.utils import (
+    requires_cuda_vmm,
+    should_do_global_cleanup_after_test,  # noqa: F401 (the fixture)
+)
 from vllm.v1.kv_vmm import HostVmmBackend, VmmBackend, VmmOutOfMemoryError
 
 

@@ -7,6 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import Producer, Reader
+from tests.v1.kv_vmm.utils import (
+    should_do_global_cleanup_after_test,  # noqa: F401 (the fixture)
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
