@@ -465,7 +465,14 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
                 min(short, refill, growable),
                 ahead=busy or self._status is None,
             )
-            if self._share is not None and not growable and self._share.room_pages == 0:
+            # Not while a ledger cannot be read: nobody knows who holds the
+            # memory then, and the ledger's own warning says what happens.
+            if (
+                self._share is not None
+                and not growable
+                and self._share.room_pages == 0
+                and not self._share.problems
+            ):
                 if not self._denied_logged:
                     logger.info(
                         "KV memory of %s is held by other engines; this engine "
