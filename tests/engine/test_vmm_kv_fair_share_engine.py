@@ -93,7 +93,6 @@ class Driver:
 
     def step(self) -> None:
         from vllm.v1.kv_vmm.ledger import KVMemoryLedger
-        from vllm.v1.kv_vmm.ledger_cli import state_shares
 
         for name, engine in self.engines.items():
             while self.adding and len(self.open[name]) < OUTSTANDING:
@@ -111,7 +110,7 @@ class Driver:
                     self.open[name].discard(out.request_id)
             state = KVMemoryLedger("host", str(self.ledger_dir)).read()
             entry = next(e for e in state.entries if e.id == self.engine_ids[name])
-            share = state_shares(state)[entry.id]
+            share = state.shares()[entry.id]
             self.samples[name].append((now, entry.mapped_bytes // self.page,
                                        share // self.page))
 

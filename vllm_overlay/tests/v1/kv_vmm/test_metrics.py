@@ -112,6 +112,7 @@ def test_prometheus_exposition_names_and_values():
         "vllm:kv_cache_vmm_page_maps_total",
         "vllm:kv_cache_vmm_page_unmaps_total",
         "vllm:kv_cache_vmm_page_map_failures_total",
+        "vllm:kv_cache_vmm_share_reclaimed_pages_total",
         "vllm:kv_cache_vmm_floor_bytes",
     }
 
@@ -139,6 +140,13 @@ def test_prometheus_shows_the_device_ledger():
                 "mapped_bytes": 4 << 20,
                 "floor_bytes": 2 << 20,
                 "limit_bytes": None,
+                # Share fields: a fair engine's snapshot ("a"), an older
+                # engine's entry without them ("b").
+                **(
+                    {"used_bytes": 3 << 20, "waiting_bytes": 0, "share_bytes": 8 << 20}
+                    if e == "a"
+                    else {}
+                ),
             }
             for i, e in enumerate(engines)
         ]
@@ -146,7 +154,7 @@ def test_prometheus_shows_the_device_ledger():
             "GPU-x": {"key": "GPU-x", "capacity_bytes": 64 << 20, "entries": entries}
         }
 
-    def stats(failures, ledger_json):
+    def stats(failures, ledger_json, reclaimed=0):
         return KVPageStats(
             mapped_pages=2,
             page_limit=8,
@@ -155,15 +163,34 @@ def test_prometheus_shows_the_device_ledger():
             pages_unmapped_total=3,
             map_failures_total=failures,
             floor_bytes=2 << 20,
+            share_reclaimed_pages_total=reclaimed,
             ledger=ledger_json,
         )
 
     def value(name, **labels):
         return registry.get_sample_value(name, {"engine": "0", **labels})
 
-    prom.record(0, stats(2, ledger("a", "b")))
-    prom.record(0, stats(5, ledger("a")))
+    prom.record(0, stats(2, ledger("a", "b"), reclaimed=3))
+    b_quantities = {
+        s.labels["quantity"]
+        for family in registry.collect()
+        for s in family.samples
+        if s.labels.get("ledger_engine") == "b (pid 11)"
+    }
+    assert b_quantities == {"mapped", "floor"}
+    prom.record(0, stats(5, ledger("a"), reclaimed=7))
     assert value("vllm:kv_cache_vmm_page_map_failures_total") == 5
+    assert value("vllm:kv_cache_vmm_share_reclaimed_pages_total") == 7
+    for quantity, expected in [("used", 3 << 20), ("waiting", 0), ("share", 8 << 20)]:
+        assert (
+            value(
+                "vllm:kv_cache_vmm_ledger_bytes",
+                device="GPU-x",
+                ledger_engine="a (pid 10)",
+                quantity=quantity,
+            )
+            == expected
+        )
     assert value("vllm:kv_cache_vmm_floor_bytes") == 2 << 20
     on = {"device": "GPU-x"}
     assert (

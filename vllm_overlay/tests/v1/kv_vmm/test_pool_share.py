@@ -135,9 +135,15 @@ def test_a_waiting_engine_below_its_share_gets_free_pages_back(ledger_base):
     assert a.num_mapped_pages == 1
     assert a._page_limit == 0 and a.policy.max_pages == 16  # the operator's
     assert a.num_share_reclaimed_pages_total == peak - a.num_mapped_pages
+    assert a.make_page_stats().share_reclaimed_pages_total == peak - 1
     # B now has room up to its share.
     ops = step(b, clock)
     assert b.get_num_free_blocks() >= 6 * BPP
+    # The stats (metrics) show each engine's share: B, the one that waits,
+    # has the capacity but A's floor.
+    (ledger,) = b.make_page_stats().ledger.values()
+    shares = {e["name"]: e["share_bytes"] for e in ledger["entries"]}
+    assert shares == {"a": 0, "b": ledger["capacity_bytes"]}
     a.close()
     b.close()
 
@@ -152,6 +158,9 @@ def test_first_come_keeps_what_it_mapped(ledger_base):
         step(b, clock, 0.2)
         assert not step(a, clock, 0.2)
     assert a.num_mapped_pages == peak
+    # No shares in the stats of a first-come engine.
+    (ledger,) = a.make_page_stats().ledger.values()
+    assert all("share_bytes" not in e for e in ledger["entries"])
     a.close()
     b.close()
 

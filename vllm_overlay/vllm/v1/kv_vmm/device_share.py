@@ -209,7 +209,10 @@ class DeviceShare:
                 room = 0
                 continue
             read_any = True
-            self.states[ledger.key] = state.to_json()
+            # With the fair policy, each engine's share too (the metrics).
+            self.states[ledger.key] = (
+                state.report() if self.controllers else state.to_json()
+            )
             self.parsed[ledger.key] = state
             self.weight = entry.weight
             pages = state.room(entry_id) // page_bytes

@@ -43,7 +43,6 @@ from typing import Any
 
 from vllm.v1.kv_cache_compat import parse_size
 from vllm.v1.kv_vmm import shm_files
-from vllm.v1.kv_vmm.fair_share import fair_shares
 from vllm.v1.kv_vmm.ledger import (
     MAX_LEDGER_BYTES,
     MAX_SHARE_WEIGHT,
@@ -104,13 +103,6 @@ def parse_weight(text: str) -> float:
     return value
 
 
-def state_shares(state: LedgerState) -> dict[str, int]:
-    """Each engine's fair share of the ledger's capacity now, in bytes."""
-    return fair_shares(
-        max(state.capacity_bytes, 0), [e.demand() for e in state.entries]
-    )
-
-
 def _waited(since: float | None, now: float) -> str:
     return "-" if since is None else f"{max(now - since, 0.0):.1f} s"
 
@@ -119,7 +111,7 @@ def format_state(state: LedgerState, ledger: KVMemoryLedger | None = None) -> st
     where = ""
     if ledger is not None:
         where = f" ({ledger.owner.describe()}: {ledger.path})"
-    shares = state_shares(state)
+    shares = state.shares()
     now = time.monotonic()
     lines = [
         f"{state.key}: capacity {_gib(state.capacity_bytes)}, "
@@ -210,11 +202,7 @@ def _list(args: argparse.Namespace, directory: str | None) -> int:
             if state is None:
                 continue
             owner_doc = {"path": ledger.path, "owner": ledger.owner.describe()}
-            doc = state.to_json()
-            shares = state_shares(state)
-            for entry in doc["entries"]:
-                entry["share_bytes"] = shares[entry["id"]]
-            docs.append({**doc, **owner_doc})
+            docs.append({**state.report(), **owner_doc})
             texts.append(format_state(state, ledger))
         # Reports of engines that died go too (sweep by liveness lock).
         with contextlib.suppress(OSError):

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm.v1.kv_vmm.fair_share import EngineDemand
+from vllm.v1.kv_vmm.fair_share import EngineDemand, fair_shares
 
 #: The ledger's format; another number is refused (an engine of another
 #: version of this code on the same device).
@@ -124,6 +124,21 @@ class LedgerState:
             "measured_by": self.measured_by,
             "entries": [asdict(e) for e in self.entries],
         }
+
+    def shares(self) -> dict[str, int]:
+        """Each engine's fair share of the capacity now, in bytes."""
+        return fair_shares(
+            max(self.capacity_bytes, 0), [e.demand() for e in self.entries]
+        )
+
+    def report(self) -> dict[str, Any]:
+        """:meth:`to_json` with each engine's fair share (``share_bytes``):
+        what the ledger CLI prints and the engines' metrics show."""
+        doc = self.to_json()
+        shares = self.shares()
+        for entry in doc["entries"]:
+            entry["share_bytes"] = shares[entry["id"]]
+        return doc
 
 
 # -- validation ---------------------------------------------------------------

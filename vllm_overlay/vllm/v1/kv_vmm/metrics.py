@@ -45,6 +45,12 @@ def sum_kv_page_stats(
     )
 
 
+#: Each engine's quantities in ``vllm:kv_cache_vmm_ledger_bytes`` (an
+#: entry's ``<quantity>_bytes``; ``share`` only under the fair policy, the
+#: rest absent in entries of older engines).
+_LEDGER_QUANTITIES = ("mapped", "floor", "limit", "used", "waiting", "share")
+
+
 class KVPagePrometheusMetrics:
     """Gauges of what is mapped now and counters of pages mapped and
     unmapped, one series per engine. Names follow vLLM's: ``kv_cache_vmm_``
@@ -131,6 +137,15 @@ class KVPagePrometheusMetrics:
                 labelnames=labelnames,
             )
         )
+        self.share_reclaimed_pages = per_engine(
+            counter_cls(
+                name="vllm:kv_cache_vmm_share_reclaimed_pages",
+                documentation="KV cache pages the engine gave back because "
+                "another engine below its fair share waited for memory "
+                "(--kv-cache-vmm-share-policy fair).",
+                labelnames=labelnames,
+            )
+        )
         self.floor_bytes = per_engine(
             gauge_cls(
                 name="vllm:kv_cache_vmm_floor_bytes",
@@ -145,7 +160,8 @@ class KVPagePrometheusMetrics:
         self.ledger_bytes = gauge_cls(
             name="vllm:kv_cache_vmm_ledger_bytes",
             documentation="KV cache memory in the device ledger: capacity, "
-            "and each engine's mapped, floor and limit bytes "
+            "and each engine's mapped, floor, limit, used and waiting bytes "
+            "and, with --kv-cache-vmm-share-policy fair, its fair share "
             "(--kv-cache-vmm-shared).",
             multiprocess_mode="mostrecent",
             labelnames=[*labelnames, "device", "ledger_engine", "quantity"],
@@ -153,22 +169,29 @@ class KVPagePrometheusMetrics:
         self._labels = per_engine_labelvalues
         self._ledger_series: dict[int, set[tuple[str, ...]]] = {}
         # Counters take increments; the scheduler reports running totals.
-        self._last: dict[int, tuple[int, int, int]] = {}
+        self._last: dict[int, tuple[int, int, int, int]] = {}
 
     def record(self, engine_idx: int, stats: KVPageStats) -> None:
         self.mapped_bytes[engine_idx].set(stats.mapped_bytes)
         self.mapped_pages[engine_idx].set(stats.mapped_pages)
         self.page_limit[engine_idx].set(stats.page_limit)
         self.limit_bytes[engine_idx].set(stats.limit_bytes)
-        mapped, unmapped, failures = self._last.get(engine_idx, (0, 0, 0))
-        self.page_maps[engine_idx].inc(stats.pages_mapped_total - mapped)
-        self.page_unmaps[engine_idx].inc(stats.pages_unmapped_total - unmapped)
-        self.map_failures[engine_idx].inc(stats.map_failures_total - failures)
-        self._last[engine_idx] = (
+        totals = (
             stats.pages_mapped_total,
             stats.pages_unmapped_total,
             stats.map_failures_total,
+            stats.share_reclaimed_pages_total,
         )
+        counters = (
+            self.page_maps,
+            self.page_unmaps,
+            self.map_failures,
+            self.share_reclaimed_pages,
+        )
+        last = self._last.get(engine_idx, (0, 0, 0, 0))
+        for counter, total, before in zip(counters, totals, last):
+            counter[engine_idx].inc(total - before)
+        self._last[engine_idx] = totals
         if stats.ledger is not None:
             self.floor_bytes[engine_idx].set(stats.floor_bytes)
             self._record_ledger(engine_idx, stats.ledger)
@@ -180,8 +203,8 @@ class KVPagePrometheusMetrics:
             series[(*labels, device, "", "capacity")] = state["capacity_bytes"]
             for entry in state["entries"]:
                 engine = f"{entry['id']} (pid {entry['pid']})"
-                for quantity in ("mapped", "floor", "limit"):
-                    value = entry[f"{quantity}_bytes"]
+                for quantity in _LEDGER_QUANTITIES:
+                    value = entry.get(f"{quantity}_bytes")
                     if value is not None:
                         series[(*labels, device, engine, quantity)] = value
         for key, value in series.items():

@@ -198,9 +198,13 @@ class KVPageStats:
     the device that holds the most of its KV memory)."""
     limit_bytes: int = 0
     """The page limit in bytes per device."""
+    share_reclaimed_pages_total: int = 0
+    """Pages given back because another engine below its fair share waited
+    (``--kv-cache-vmm-share-policy fair``)."""
     ledger: dict[str, Any] | None = None
     """With a device ledger: each device's ledger as the engine last read
-    it (``LedgerState.to_json()`` per device key)."""
+    it (``LedgerState.to_json()`` per device key; ``LedgerState.report()``,
+    with each engine's fair share, under the fair policy)."""
 
 
 #: Regions assumed for a per-layer KV tensor whose attention backend the

@@ -33,6 +33,7 @@ class PageLimitsMixin:
     num_pages_mapped_total: int
     num_pages_unmapped_total: int
     num_map_failures_total: int
+    num_share_reclaimed_pages_total: int
 
     if TYPE_CHECKING:
 
@@ -209,6 +210,7 @@ class PageLimitsMixin:
             map_failures_total=self.num_map_failures_total,
             floor_bytes=self._device_floor_bytes(),
             limit_bytes=self.policy.max_pages * page_bytes,
+            share_reclaimed_pages_total=self.num_share_reclaimed_pages_total,
             ledger=dict(share.states) if share is not None else None,
         )
 
