@@ -36,7 +36,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -55,7 +54,7 @@ from seriestool import (  # noqa: E402
     Release, SeriesError, build_dir, get_release, git, git_out, load_matrix, main_guard,
     stop_on_sigterm,
 )
-from treework import tree_lock  # noqa: E402
+from treework import copy_build_outputs, tree_lock  # noqa: E402
 
 # The exported commits of a check are authored by nobody in particular: they never leave here.
 BISECT_IDENT = ("Series Bisect Check", "bisect@kv-series.invalid")
@@ -294,22 +293,6 @@ def tests_step(python: str, wt: Path, files: list[str], added: set[str], env: di
 
 # ---------------------------------------------------------------------------------------------
 # One release
-
-
-def copy_build_outputs(tree: Path, wt: Path) -> int:
-    """The build tree's ignored build outputs (kernels `make install` copied in) into `wt`."""
-    exclude = tree / ".git" / "info" / "exclude"
-    copied = 0
-    for line in (exclude.read_text().splitlines() if exclude.exists() else []):
-        rel = line.strip().lstrip("/")
-        if not rel or line.startswith("#") or any(c in rel for c in "*?["):
-            continue
-        src, dest = tree / rel, wt / rel
-        if src.is_file() and not dest.exists():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest)
-            copied += 1
-    return copied
 
 
 def patch_paths(wt: Path, patch: Path) -> list[str]:

@@ -90,71 +90,66 @@ def pytest(python: str, args: list[str], cwd: Path, label: str, results: list,
     results.append((label, rc, counts, seconds))
 
 
-def upstream(version: str, results: list) -> None:
-    """vLLM's own curated tests, patched vs stock (scripts/upstream_oracle.py). Counts: passed on
-    the patched tree / regressions against stock / the rest (skipped, unrunnable here, or
-    failing on stock as well)."""
+def tally(keys) -> dict:
+    """Counts of a summary: one per "passed", "failed" or "skipped" in ``keys``."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for key in keys:
+        counts[key] += 1
+    return counts
+
+
+def summarized(cmd: list[str], heading: str, label: str, count, results: list) -> None:
+    """Run a harness script with `--summary-json FILE` (a temporary file) and add its row to
+    ``results``, counted by ``count`` from the summary. A summary that is missing or not JSON
+    counts nothing, and a script that fails with nothing counted as failed counts as one
+    failure: a script that died before writing its summary never makes a green row."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         summary = Path(f.name)
-    cmd = [sys.executable, str(ROOT / "scripts" / "upstream_oracle.py"), "--version", version,
-           "--ci", "--summary-json", str(summary)]
-    print(f"\n=== {version} upstream: {' '.join(cmd)}", flush=True)
+    cmd = [*cmd, "--summary-json", str(summary)]
+    print(f"\n=== {heading}: {' '.join(cmd)}", flush=True)
     rc, seconds = timed_call(cmd)
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
     try:
-        counts = json.loads(summary.read_text())
+        counts = count(json.loads(summary.read_text()))
     except (json.JSONDecodeError, FileNotFoundError):
-        counts = {"passed": 0, "failed": 0, "skipped": 0}
+        pass
     finally:
         summary.unlink(missing_ok=True)
     if rc != 0 and counts["failed"] == 0:
-        counts["failed"] = 1  # the script itself failed (setup error, no baseline)
-    results.append((f"{version} upstream (vs stock)", rc, counts, seconds))
+        counts["failed"] = 1
+    results.append((label, rc, counts, seconds))
+
+
+def upstream(version: str, results: list) -> None:
+    """vLLM's own curated tests, patched vs stock (scripts/upstream_oracle.py). Counts: passed on
+    the patched tree / regressions against stock / the rest (skipped, unrunnable here, or
+    failing on stock as well). A failing run with no regression counted: the script itself
+    failed (setup error, no baseline)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "upstream_oracle.py"), "--version", version,
+           "--ci"]
+    summarized(cmd, f"{version} upstream", f"{version} upstream (vs stock)", dict, results)
 
 
 def lint(version: str, results: list) -> None:
     """vLLM's own pre-commit checks on what the series changes (scripts/lint.py). Counts: per
     check, passed = the series adds no finding, failed = it adds some, skipped = the check does
-    not apply to the changed files (or cannot run offline)."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        summary = Path(f.name)
-    cmd = [sys.executable, str(ROOT / "scripts" / "lint.py"), "--version", version,
-           "--summary-json", str(summary)]
-    print(f"\n=== {version} lint: {' '.join(cmd)}", flush=True)
-    rc, seconds = timed_call(cmd)
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    try:
-        for check in json.loads(summary.read_text()):
-            key = "skipped" if check["skipped"] else "failed" if check["added"] else "passed"
-            counts[key] += 1
-    except (json.JSONDecodeError, FileNotFoundError):
-        pass
-    finally:
-        summary.unlink(missing_ok=True)
-    if rc != 0 and counts["failed"] == 0:
-        counts["failed"] = 1  # the script itself failed (a tool that cannot be installed)
-    results.append((f"{version} lint (added vs pristine)", rc, counts, seconds))
+    not apply to the changed files (or cannot run offline). A failing run with no check counted
+    as failed: a tool that cannot be installed."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "lint.py"), "--version", version]
+    summarized(cmd, f"{version} lint", f"{version} lint (added vs pristine)",
+               lambda checks: tally("skipped" if c["skipped"] else "failed" if c["added"]
+                                    else "passed" for c in checks), results)
 
 
 def bisect(version: str, results: list) -> None:
     """The exported stack patch by patch onto the pristine release: compile and ruff
-    (scripts/check_bisect.py --cheap). Counts: patches OK / failing (or never applied)."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        summary = Path(f.name)
+    (scripts/check_bisect.py --cheap). Counts: patches OK / failing (or never applied). A
+    failing run with no patch counted as failing: the export or the ruff install failed."""
     cmd = [sys.executable, str(ROOT / "scripts" / "check_bisect.py"), "--version", version,
-           "--cheap", "--summary-json", str(summary)]
-    print(f"\n=== {version} bisect: {' '.join(cmd)}", flush=True)
-    rc, seconds = timed_call(cmd)
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    try:
-        for patch in json.loads(summary.read_text()):
-            counts["passed" if patch["ok"] else "failed"] += 1
-    except (json.JSONDecodeError, FileNotFoundError):
-        pass
-    finally:
-        summary.unlink(missing_ok=True)
-    if rc != 0 and counts["failed"] == 0:
-        counts["failed"] = 1  # the script itself failed (export, ruff install)
-    results.append((f"{version} bisect (compile, ruff)", rc, counts, seconds))
+           "--cheap"]
+    summarized(cmd, f"{version} bisect", f"{version} bisect (compile, ruff)",
+               lambda patches: tally("passed" if p["ok"] else "failed" for p in patches),
+               results)
 
 
 def kernels_for(release, tiers: list[str]) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -218,6 +219,27 @@ def installed_kernels(tree: Path) -> set[str]:
     except OSError:
         return set()
     return {ln[1:] for ln in lines if ln.startswith("/vllm/") and not any(c in ln for c in "*?[")}
+
+
+def copy_build_outputs(tree: Path, dest: Path, replace_older: bool = False) -> int:
+    """Copy the build outputs listed in `tree`'s .git/info/exclude (the kernels `make install`
+    copied in) into `dest`, a worktree of it: git checks out only tracked files, so a worktree
+    has no kernels to run vLLM with. A file `dest` has already is kept, unless
+    `replace_older` and the tree's is newer (a worktree kept across installs). Returns how
+    many files were copied."""
+    exclude = tree / ".git" / "info" / "exclude"
+    copied = 0
+    for line in (exclude.read_text().splitlines() if exclude.exists() else []):
+        rel = line.strip().lstrip("/")
+        if not rel or line.startswith("#") or any(c in rel for c in "*?["):
+            continue
+        src, target = tree / rel, dest / rel
+        if src.is_file() and (not target.exists() or (
+                replace_older and target.stat().st_mtime < src.stat().st_mtime)):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+            copied += 1
+    return copied
 
 
 def is_harness_output(path: str, kernels: set[str]) -> bool:

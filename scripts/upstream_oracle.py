@@ -54,6 +54,7 @@ from buildtree import apply_series, is_build_tree  # noqa: E402
 from hf_cache import offline_env  # noqa: E402
 from install import default_venv, refresh_finder  # noqa: E402
 from seriestool import ROOT, Release, SeriesError, build_dir, get_release, git, main_guard  # noqa: E402
+from treework import copy_build_outputs  # noqa: E402
 
 CURATED = ROOT / "ci" / "upstream" / "curated.toml"
 REQUIREMENTS = ROOT / "ci" / "upstream" / "requirements.txt"
@@ -208,17 +209,7 @@ def stock_tree(release: Release) -> Path:
         git(stock, "checkout", "-q", "--detach", release.tag)
         git(stock, "reset", "-q", "--hard", release.tag)
     # The build tree's ignored build outputs (kernels copied by `make install`) are not in git.
-    exclude = tree / ".git" / "info" / "exclude"
-    copied = 0
-    for line in (exclude.read_text().splitlines() if exclude.exists() else []):
-        rel = line.strip().lstrip("/")
-        if not rel or line.startswith("#") or any(c in rel for c in "*?["):
-            continue
-        src, dest = tree / rel, stock / rel
-        if src.is_file() and (not dest.exists() or dest.stat().st_mtime < src.stat().st_mtime):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest)
-            copied += 1
+    copied = copy_build_outputs(tree, stock, replace_older=True)
     if copied:
         print(f"stock tree {stock}: {copied} prebuilt files copied from {tree}")
     return stock

@@ -76,6 +76,18 @@ class Runner:
         print(f"  {name} failed: {why}", flush=True)
         return why
 
+    def run_json(self, name: str, cmd: list[str], js: Path, log: Path,
+                 timeout: float) -> tuple[dict | None, str | None]:
+        """A benchmark script that writes its figures to ``js``: (figures, None) if it
+        succeeded; (None, how it failed) if not, (None, None) if it succeeded without writing
+        them. ``js`` is removed first, so figures an earlier run left there are never taken
+        for this run's."""
+        js.unlink(missing_ok=True)
+        why = self.run(name, cmd, log, timeout)
+        if why is not None or not js.exists():
+            return None, why
+        return json.loads(js.read_text()), None
+
     def child(self, name: str, spec: dict, timeout: float) -> dict:
         """Run one measurement in its own process; {"error": ...} if it fails."""
         self.count += 1
@@ -242,12 +254,10 @@ def item_pagemap(runner: Runner, prof: dict, out: Path) -> dict:
         js = out / f"pagemap_{i + 1}.json"
         log = runner.logs / f"pagemap_{i + 1}.log"
         print(f"pagemap: invocation {i + 1}", flush=True)
-        js.unlink(missing_ok=True)
-        why = runner.run(f"pagemap {i + 1}", [
+        data, why = runner.run_json(f"pagemap {i + 1}", [
             sys.executable, str(BENCH / "bench_vmm.py"), "--backend", p["backend"], "--pages",
-            str(p["pages"]), "--repeats", str(p["repeats"]), "--json", str(js)], log, 300)
-        data = json.loads(js.read_text()) if why is None and js.exists() else {}
-        stats = data.get("backends", {}).get(p["backend"])
+            str(p["pages"]), "--repeats", str(p["repeats"]), "--json", str(js)], js, log, 300)
+        stats = (data or {}).get("backends", {}).get(p["backend"])
         if not stats:
             return {"not_measured": f"bench_vmm.py: {why or 'no ' + p['backend'] + ' figures'}"}
         per_run.append({k: stats[k]["median_us"] for k in rows})
@@ -288,12 +298,10 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
         js = out / f"nixl_transfer_{i}.json"
         log = runner.logs / f"nixl_transfer_{i}.log"
         print(f"pd: NIXL transfer {i + 1}/{prof['repeats']}", flush=True)
-        js.unlink(missing_ok=True)
-        why = runner.run(f"pd: NIXL transfer {i + 1}", [
-            sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json", str(js)], log, 900)
-        if why is not None or not js.exists():
+        r, why = runner.run_json(f"pd: NIXL transfer {i + 1}", [
+            sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json", str(js)], js, log, 900)
+        if r is None:
             return {"not_measured": f"{NIXL_SCRIPT.name}: {why or 'no results'}"}
-        r = json.loads(js.read_text())
         stock.append(r["stock"]["gb_per_s"])
         vmm.append(r["vmm"]["gb_per_s"])
         for mode, values in extra.items():
@@ -315,15 +323,13 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
         js = out / f"pd_{backend}_{len(runs[backend])}.json"
         log = runner.logs / f"pd_{backend}_{len(runs[backend])}.log"
         print(f"pd: {backend}", flush=True)
-        js.unlink(missing_ok=True)
-        why = runner.run(f"pd: {backend}", [
+        run, why = runner.run_json(f"pd: {backend}", [
             sys.executable, str(PD_SCRIPT), "--backend", backend, "--model", model, "--json",
             str(js), "--logs", str(runner.logs), "--vmm-args",
-            json.dumps(prof.get("vmm_args", {}))], log, 900)
-        if why is not None or not js.exists():
+            json.dumps(prof.get("vmm_args", {}))], js, log, 900)
+        if run is None:
             result["ttft_ms"] = {"not_measured": f"{PD_SCRIPT.name}: {why or 'no results'}"}
             return result
-        run = json.loads(js.read_text())
         runs[backend].append(run["ttft_ms"])
         if "same_host" in run:
             result.setdefault("vmm_same_host", []).append(run["same_host"])
@@ -547,12 +553,11 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
                 cmd += ["--set", f"{key}={json.dumps(value)}"]
             print(f"sharing: {mode}, repetition {rep + 1}/{repeats}, {sharing['engines']} "
                   f"engines", flush=True)
-            js.unlink(missing_ok=True)
-            why = runner.run(f"sharing: {mode} {rep + 1}", cmd, log, sharing["timeout_s"])
-            if why is not None or not js.exists():
+            r, why = runner.run_json(f"sharing: {mode} {rep + 1}", cmd, js, log,
+                                     sharing["timeout_s"])
+            if r is None:
                 failed[mode] = f"repetition {rep + 1}: {(why or 'no results')[:300]}"
                 continue
-            r = json.loads(js.read_text())
             runs[mode].append(r)
             result["order"].append(f"{mode} {rep + 1}")
             result["workload"] = r["profile"]

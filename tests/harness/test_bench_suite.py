@@ -105,23 +105,30 @@ def test_the_two_gpu_items_say_why_a_cpu_or_one_gpu_host_skips_them(tmp_path):
     assert "| 5 | P/D over NIXL |  |  | not measured: needs 2 GPUs, this host has 1 |" in md
 
 
-def test_a_failing_benchmark_process_ends_its_measurement_with_its_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSERIES_BENCH_FAULT", "child:probe=raise")
+def child_with_fault(tmp_path: Path, monkeypatch, kind: str, fault: str,
+                     timeout: float) -> tuple[Runner, dict, float]:
+    """Runner.child of a `kind` measurement whose process meets `fault` where it starts
+    (KVSERIES_BENCH_FAULT, before it imports torch or vLLM: what is timed is the runner's
+    handling of it): the runner, its result and the seconds it took."""
+    monkeypatch.setenv("KVSERIES_BENCH_FAULT", f"child:{kind}={fault}")
     runner = Runner(tmp_path, "cpu")
     start = time.monotonic()
-    r = runner.child("probe", {"kind": "probe"}, timeout=120)
-    assert time.monotonic() - start < 30
+    r = runner.child(kind, {"kind": kind}, timeout=timeout)
+    return runner, r, time.monotonic() - start
+
+
+def test_a_failing_benchmark_process_ends_its_measurement_with_its_error(tmp_path, monkeypatch):
+    runner, r, seconds = child_with_fault(tmp_path, monkeypatch, "probe", "raise", timeout=120)
+    assert seconds < 30
     assert r["error"].startswith("exit status 1; log 01-probe.log: ")
     assert "RuntimeError: fault injected at child:probe (KVSERIES_BENCH_FAULT)" in r["error"]
     assert runner.failures == [f"probe: {r['error']}"]
 
 
 def test_a_stalled_benchmark_process_is_killed_at_its_deadline(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSERIES_BENCH_FAULT", "child:elasticity=stall")
-    runner = Runner(tmp_path, "cpu")
-    start = time.monotonic()
-    r = runner.child("elasticity", {"kind": "elasticity"}, timeout=2)
-    assert time.monotonic() - start < 20
+    runner, r, seconds = child_with_fault(tmp_path, monkeypatch, "elasticity", "stall",
+                                          timeout=2)
+    assert seconds < 20
     assert r["error"].startswith("no result in 2 s (killed); log 01-elasticity.log: "
                                  "KVSERIES_BENCH_FAULT: stall at child:elasticity (pid ")
     assert len(runner.failures) == 1

@@ -11,12 +11,15 @@ bytes gives the same page limit through --kv-cache-vmm-limit-bytes, the
 runtime limit (the Python API and the HTTP route's query) and the device
 ledger's CLI, and the counters and the metrics show it back in the same unit."""
 
-import json
-
 import pytest
 import torch
 
-from tests.v1.kv_vmm.utils import Clock, requires_vmm_kv_wiring
+from tests.v1.kv_vmm.pool_utils import make_block_pool
+from tests.v1.kv_vmm.utils import (
+    Clock,
+    requires_vmm_kv_wiring,
+    write_tiny_llama_config,
+)
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -51,22 +54,15 @@ def rank_configs(tmp_path, shape: str) -> list[KVCacheConfig]:
     tp, pp, layers = SHAPES[shape]
     model_dir = tmp_path / "model"
     model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 512,
-                "intermediate_size": 1024,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 8,
-                "head_dim": 64,
-                "num_hidden_layers": sum(layers) // tp,
-                "max_position_embeddings": 4096,
-                "vocab_size": 1024,
-                "torch_dtype": "float16",
-            }
-        )
+    write_tiny_llama_config(
+        model_dir,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_hidden_layers=sum(layers) // tp,
+        vocab_size=1024,
     )
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -97,14 +93,7 @@ def vmm_options(**kwargs) -> CacheConfig:
 
 
 def make_pool(policy: KVPagePolicy, configs: list[KVCacheConfig]) -> PagedBlockPool:
-    pool = PagedBlockPool(
-        num_gpu_blocks=min(c.num_blocks for c in configs),
-        enable_caching=True,
-        hash_block_size=16,
-        policy=policy,
-    )
-    pool.clock = Clock(0.0)
-    return pool
+    return make_block_pool(policy, min(c.num_blocks for c in configs), Clock(0.0))
 
 
 @pytest.mark.parametrize("devices", list(DEVICES))

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tests.v1.kv_vmm.pool_utils import BPP, make_block_pool, make_page_policy
 from tests.v1.kv_vmm.utils import (
     Clock,
     requires_vmm_kv_wiring,
@@ -22,31 +23,10 @@ from vllm.v1.kv_vmm import worker as worker_module
 from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError
 from vllm.v1.kv_vmm.geometry import KVPageGeometry, KVTensorLayout
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger
-from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
+from vllm.v1.kv_vmm.page_status import KVPageStatus
 from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
 from vllm.v1.kv_vmm.scheduler import MAP_RETRY_MIN_S, PagedBlockPool
 from vllm.v1.kv_vmm.worker import KVPageMapper
-
-BPP = 4  # blocks per page
-
-
-def make_policy(
-    num_pages: int, num_ranks: int, ahead_blocks: int = 8, headroom: int = 1
-) -> tuple[KVPagePolicy, KVPageStatus]:
-    status = create_page_status(num_pages, tag="t")
-    policy = KVPagePolicy(
-        granularity=2 << 20,
-        blocks_per_page=BPP,
-        max_pages=num_pages,
-        headroom_pages=headroom,
-        shrink="idle",
-        shrink_delay_s=0.0,
-        device_page_bytes=1 << 20,
-        ahead_blocks=ahead_blocks,
-        page_status_path=status.path,
-        num_ranks=num_ranks,
-    )
-    return policy, status
 
 
 class Ranks:
@@ -82,16 +62,9 @@ class Ranks:
 def make_pool(
     num_blocks: int = 64, num_ranks: int = 2, ahead_blocks: int = 8
 ) -> tuple[PagedBlockPool, Ranks]:
-    policy, status = make_policy(-(-num_blocks // BPP), num_ranks, ahead_blocks)
+    policy, status = make_page_policy(-(-num_blocks // BPP), num_ranks, ahead_blocks)
     ranks = Ranks(policy, status)
-    pool = PagedBlockPool(
-        num_gpu_blocks=num_blocks,
-        enable_caching=True,
-        hash_block_size=16,
-        policy=policy,
-    )
-    pool.clock = Clock()
-    return pool, ranks
+    return make_block_pool(policy, num_blocks), ranks
 
 
 def test_a_page_one_rank_of_two_could_not_map_is_never_handed_out():
@@ -241,7 +214,7 @@ def test_requests_wait_and_are_preempted_while_no_page_maps_then_proceed(
     from vllm.v1.request import RequestStatus
 
     num_blocks = 64
-    policy, status = make_policy(num_blocks // BPP, num_ranks=2, ahead_blocks=0)
+    policy, status = make_page_policy(num_blocks // BPP, num_ranks=2, ahead_blocks=0)
     ranks = Ranks(policy, status)
     scheduler, create_requests = make_scheduler(
         tmp_path, monkeypatch, policy, num_blocks
@@ -313,7 +286,7 @@ def make_mapper(monkeypatch, policy: KVPagePolicy, num_blocks: int = 64):
 def test_a_page_the_device_has_no_memory_for_is_reported_not_waited_for(
     monkeypatch, map_failures
 ):
-    policy, status = make_policy(16, num_ranks=1, ahead_blocks=0)
+    policy, status = make_page_policy(16, num_ranks=1, ahead_blocks=0)
     mapper = make_mapper(monkeypatch, policy)
     try:
         assert mapper.reporting and status.counts(0) == (1, 0)
@@ -339,7 +312,7 @@ def test_a_page_the_device_has_no_memory_for_is_reported_not_waited_for(
 def test_ahead_pages_of_a_step_without_a_forward_pass_are_mapped_at_the_next(
     monkeypatch,
 ):
-    policy, status = make_policy(16, num_ranks=1, ahead_blocks=0)
+    policy, status = make_page_policy(16, num_ranks=1, ahead_blocks=0)
     mapper = make_mapper(monkeypatch, policy)
     try:
         status.reset([2])
@@ -360,7 +333,7 @@ def test_startup_that_cannot_map_fails_at_once_naming_the_memory(
     other.join(
         capacity_bytes=1 << 30, name="engine-b", mapped_bytes=96 << 20, floor_bytes=0
     )
-    policy, status = make_policy(16, num_ranks=1, ahead_blocks=8)
+    policy, status = make_page_policy(16, num_ranks=1, ahead_blocks=8)
     map_failures.rate = 1.0
     start = time.monotonic()
     with pytest.raises(VmmOutOfMemoryError) as info:
@@ -376,7 +349,7 @@ def test_startup_that_cannot_map_fails_at_once_naming_the_memory(
 
 
 def test_startup_maps_through_failures_that_retries_get_past(monkeypatch, map_failures):
-    policy, status = make_policy(16, num_ranks=1, ahead_blocks=8)
+    policy, status = make_page_policy(16, num_ranks=1, ahead_blocks=8)
     map_failures.rate = 0.5
     mapper = make_mapper(monkeypatch, policy)
     try:

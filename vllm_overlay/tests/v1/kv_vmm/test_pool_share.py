@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.v1.kv_vmm.pool_utils import make_block_pool
 from tests.v1.kv_vmm.utils import Clock
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger, LedgerError
 from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
@@ -53,13 +54,7 @@ def make_pool(name: str, clock: Clock, **share) -> PagedBlockPool:
             devices={"host": PAGE}, capacity_bytes=16 * PAGE, floor_bytes=0, name=name
         ),
     )
-    pool = PagedBlockPool(
-        num_gpu_blocks=NUM_BLOCKS,
-        enable_caching=True,
-        hash_block_size=16,
-        policy=policy,
-    )
-    pool.clock = clock
+    pool = make_block_pool(policy, NUM_BLOCKS, clock)
     pool.set_share_options(ShareOptions(**share))
     return pool
 
@@ -101,6 +96,40 @@ def test_demand_and_weight_are_published(ledger_base):
     a.close()
 
 
+def start_waiting_engine(clock: Clock) -> PagedBlockPool:
+    """Engine B joins the ledger with requests of 10 pages' worth waiting,
+    and publishes its demand at its first step."""
+    b = make_pool("b", clock)
+    wait_for(b, 10 * BPP)
+    step(b, clock)
+    return b
+
+
+def wait_until_it_counts(a: PagedBlockPool, b: PagedBlockPool, clock: Clock) -> None:
+    """B keeps waiting past the 0.25 s after which a waiter counts (a
+    momentary wait takes nothing from A); A's next step caps A at its share."""
+    clock.now += 0.3
+    b.take_page_ops()
+    step(a, clock)
+
+
+def rewrite_entry(
+    update: dict | None = None, remove: tuple[str, ...] = ()
+) -> KVMemoryLedger:
+    """Change the host ledger's first entry behind the ledger's back (as an
+    older engine, or another user, could leave it): fields set to
+    ``update``'s values and ``remove``'s fields dropped."""
+    ledger = KVMemoryLedger("host")
+    with open(ledger.path) as f:
+        doc = json.load(f)
+    doc["entries"][0].update(update or {})
+    for field in remove:
+        del doc["entries"][0][field]
+    with open(ledger.path, "w") as out:
+        json.dump(doc, out)
+    return ledger
+
+
 def grow_then_idle(a: PagedBlockPool, clock: Clock) -> int:
     """A maps 14 of the 16 pages for a peak, then its requests finish (the
     pages stay mapped: free, cached)."""
@@ -116,10 +145,8 @@ def test_a_waiting_engine_below_its_share_gets_free_pages_back(ledger_base):
     a = make_pool("a", clock)
     peak = grow_then_idle(a, clock)
     assert peak >= 14
-    b = make_pool("b", clock)
     # B's requests need 10 pages; the ledger has no room for them.
-    wait_for(b, 10 * BPP)
-    step(b, clock)
+    b = start_waiting_engine(clock)
     # A momentary wait changes nothing.
     assert not step(a, clock, 0.1)
     assert a.admission_reserve_blocks() == 0
@@ -170,12 +197,8 @@ def test_new_requests_stay_out_of_pages_beyond_the_share(ledger_base):
     a = make_pool("a", clock, kv_cache_vmm_reclaim_bytes_per_s=0)
     held = hold(a, 14 * BPP - 1)  # all in use: nothing to give back
     step(a, clock)
-    b = make_pool("b", clock)
-    wait_for(b, 10 * BPP)
-    step(b, clock)
-    clock.now += 0.3
-    b.take_page_ops()
-    step(a, clock)
+    b = start_waiting_engine(clock)
+    wait_until_it_counts(a, b, clock)
     assert a._page_limit == 8
     # Its running requests free blocks: they stay free for them, not for new
     # requests (rate 0: nothing is given back, only growth stops).
@@ -193,12 +216,8 @@ def test_preemption_only_after_the_delay_and_within_the_rate(ledger_base):
     a = make_pool("a", clock, kv_cache_vmm_reclaim_bytes_per_s=2 * PAGE)
     held = hold(a, 14 * BPP - 1)  # every page in use
     step(a, clock)
-    b = make_pool("b", clock)
-    wait_for(b, 10 * BPP)
-    step(b, clock)
-    clock.now += 0.3
-    b.take_page_ops()
-    step(a, clock)
+    b = start_waiting_engine(clock)
+    wait_until_it_counts(a, b, clock)
     # Pages owed, none free: requests finish on their own for 2 s ...
     assert a.share_preempt_pages() == 0
     for _ in range(8):
@@ -258,12 +277,7 @@ def test_a_weight_set_through_the_cli_moves_the_shares(ledger_base, capsys):
 def test_the_share_fields_of_a_ledger_are_checked(ledger_base, field, value):
     clock = Clock()
     a = make_pool("a", clock)
-    ledger = KVMemoryLedger("host")
-    with open(ledger.path) as f:
-        doc = json.load(f)
-    doc["entries"][0][field] = value
-    with open(ledger.path, "w") as out:
-        json.dump(doc, out)
+    ledger = rewrite_entry(update={field: value})
     with pytest.raises(LedgerError, match=field):
         ledger.read()
     a.close()
@@ -272,13 +286,9 @@ def test_the_share_fields_of_a_ledger_are_checked(ledger_base, field, value):
 def test_an_entry_without_the_share_fields_reads_as_an_older_engine(ledger_base):
     clock = Clock()
     a = make_pool("a", clock)
-    ledger = KVMemoryLedger("host")
-    with open(ledger.path) as f:
-        doc = json.load(f)
-    for field in ("used_bytes", "waiting_bytes", "waiting_since", "weight"):
-        del doc["entries"][0][field]
-    with open(ledger.path, "w") as out:
-        json.dump(doc, out)
+    ledger = rewrite_entry(
+        remove=("used_bytes", "waiting_bytes", "waiting_since", "weight")
+    )
     demand = ledger.read().entries[0].demand()
     assert demand.weight == 1.0 and demand.waiting_bytes == 0
     assert demand.used_bytes == demand.mapped_bytes

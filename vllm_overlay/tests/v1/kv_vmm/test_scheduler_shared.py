@@ -11,23 +11,20 @@ import time
 
 import pytest
 
-from tests.v1.kv_vmm.utils import Clock
+from tests.v1.kv_vmm.pool_utils import BPP, PAGE, make_block_pool, make_page_policy
 from vllm.v1.kv_vmm.ledger import (
     STAMP_SETTLE_S,
     KVMemoryLedger,
     LedgerError,
     stamp_is_settled,
 )
-from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
-from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy, initial_kv_pages
+from vllm.v1.kv_vmm.page_status import KVPageStatus
+from vllm.v1.kv_vmm.pages import KVLedgerOptions, initial_kv_pages
 from vllm.v1.kv_vmm.scheduler import (
     LEDGER_FULL_READ_INTERVAL_S,
     MAP_RETRY_MIN_S,
     PagedBlockPool,
 )
-
-BPP = 4
-PAGE = 1 << 20
 
 
 def make_pool(
@@ -37,34 +34,15 @@ def make_pool(
     ahead_blocks: int = 8,
     reports: bool = True,
 ) -> tuple[PagedBlockPool, KVPageStatus]:
-    num_pages = -(-num_blocks // BPP)
-    status = create_page_status(num_pages, tag="t")
-    policy = KVPagePolicy(
-        granularity=2 << 20,
-        blocks_per_page=BPP,
-        max_pages=num_pages,
-        headroom_pages=1,
-        shrink="idle",
-        shrink_delay_s=0.0,
-        device_page_bytes=PAGE,
-        ahead_blocks=ahead_blocks,
-        page_status_path=status.path,
-        num_ranks=num_ranks,
-        ledger=ledger,
+    policy, status = make_page_policy(
+        -(-num_blocks // BPP), num_ranks, ahead_blocks, ledger=ledger
     )
     # Every rank reported its startup pages (the workers do when they start);
     # without reports, pages are handed out without them (a rank on another
     # host).
     for _ in range(num_ranks if reports else 0):
         status.report(initial_kv_pages(policy), [])
-    pool = PagedBlockPool(
-        num_gpu_blocks=num_blocks,
-        enable_caching=True,
-        hash_block_size=16,
-        policy=policy,
-    )
-    pool.clock = Clock()
-    return pool, status
+    return make_block_pool(policy, num_blocks), status
 
 
 def test_ahead_pages_are_handed_out_once_every_rank_has_them():

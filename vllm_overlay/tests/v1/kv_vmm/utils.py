@@ -167,9 +167,11 @@ class Clock:
         return self.now
 
 
-def write_tiny_llama_config(path: Path) -> str:
+def write_tiny_llama_config(path: Path, **overrides) -> str:
     """A one-layer Llama config in ``path`` (no weights, no tokenizer): a
-    model for vLLM's scheduler test helpers; returns the directory."""
+    model for vLLM's scheduler test helpers; returns the directory.
+    ``overrides`` replace its fields, for a test whose KV cache sizes
+    depend on the model's shape."""
     import json
 
     config = {
@@ -183,6 +185,7 @@ def write_tiny_llama_config(path: Path) -> str:
         "vocab_size": 1000,
         "max_position_embeddings": 4096,
         "torch_dtype": "float16",
+        **overrides,
     }
     (path / "config.json").write_text(json.dumps(config))
     return str(path)

@@ -131,24 +131,36 @@ def _describe_mode(st: os.stat_result) -> str:
     )
 
 
-def _dir_problem(st: os.stat_result, owner: FileOwner) -> str | None:
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
+def _owner_problem(
+    st: os.stat_result, owner: FileOwner, expected_mode: int, group_needs: int = 0
+) -> str | None:
+    """Why ``owner`` is not the only one who may use the file or directory
+    ``st`` describes (None if it is): without a shared group only its user
+    may, with one only that group (which needs at least ``group_needs``).
+    Directories and files follow the same rule, so a refusal of either reads
+    the same; ``expected_mode`` is the mode the engines make it with."""
     mode = stat.S_IMODE(st.st_mode)
     if owner.gid is None:
         if st.st_uid != owner.uid or mode & 0o077:
             return (
                 f"is {_describe_mode(st)}, not {owner.describe()} "
-                f"with mode {owner.dir_mode:04o}"
+                f"with mode {expected_mode:04o}"
             )
-    elif st.st_gid != owner.gid or mode & 0o007 or mode & 0o070 != 0o070:
+    elif st.st_gid != owner.gid or mode & 0o007 or mode & group_needs != group_needs:
         return (
             f"is {_describe_mode(st)}, not group {_group_name(owner.gid)} "
-            f"with mode {owner.dir_mode:04o}"
+            f"with mode {expected_mode:04o}"
         )
     return None
+
+
+def _dir_problem(st: os.stat_result, owner: FileOwner) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    # The group must be able to make and remove the owner's files in it.
+    return _owner_problem(st, owner, owner.dir_mode, group_needs=0o070)
 
 
 def check_dir(path: str, owner: FileOwner) -> None:
@@ -238,19 +250,7 @@ def _file_problem(st: os.stat_result, owner: FileOwner) -> str | None:
         return "is not a regular file"
     if st.st_nlink != 1:
         return f"has {st.st_nlink} hard links"
-    mode = stat.S_IMODE(st.st_mode)
-    if owner.gid is None:
-        if st.st_uid != owner.uid or mode & 0o077:
-            return (
-                f"is {_describe_mode(st)}, not {owner.describe()} "
-                f"with mode {owner.file_mode:04o}"
-            )
-    elif st.st_gid != owner.gid or mode & 0o007:
-        return (
-            f"is {_describe_mode(st)}, not group {_group_name(owner.gid)} "
-            f"with mode {owner.file_mode:04o}"
-        )
-    return None
+    return _owner_problem(st, owner, owner.file_mode)
 
 
 def open_file(
