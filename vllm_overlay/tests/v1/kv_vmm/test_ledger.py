@@ -475,7 +475,7 @@ def _garbage_cases(doc: dict) -> dict[str, bytes]:
         "capacity absurd": edited(capacity_bytes=1 << 70),
         "capacity negative": edited(capacity_bytes=-7),
         "entries missing": no_entries,
-        "unknown field": edited(extra=1),
+        "too many unknown fields": edited(**{f"later_{i}": i for i in range(40)}),
         "another format": edited(format=2),
         "another key": edited(key="GPU-other"),
         "mapped negative": entry(mapped_bytes=-1),
@@ -513,6 +513,28 @@ def test_garbage_in_any_field_is_one_clear_error(ledger):
     with open(ledger.path, "wb") as f:
         f.write(good)
     assert [e.id for e in ledger.read().entries] == [entry_id]
+
+
+def test_fields_of_a_later_version_are_kept_as_they_are(ledger):
+    """An engine of a later version on the same device (a rolling upgrade)
+    writes fields this one does not know: they are not garbage; this engine
+    reads the rest and writes them back unchanged."""
+    entry_id = ledger.join(10 * MiB, "a")
+    with open(ledger.path) as f:
+        doc = json.load(f)
+    doc["later_policy"] = {"mode": "x"}
+    doc["entries"][0]["later_hint"] = [1, 2]
+    with open(ledger.path, "w") as f:
+        json.dump(doc, f)
+    assert ledger.read().entry(entry_id).mapped_bytes == 0
+    ledger.set_mapped(entry_id, 2 * MiB)
+    other = KVMemoryLedger(KEY).join(10 * MiB, "b")
+    with open(ledger.path) as f:
+        after = json.load(f)
+    assert after["later_policy"] == {"mode": "x"}
+    (a, b) = after["entries"]
+    assert (a["id"], a["mapped_bytes"], a["later_hint"]) == (entry_id, 2 * MiB, [1, 2])
+    assert b["id"] == other and "later_hint" not in b
 
 
 def test_a_lock_held_too_long_is_an_error_not_a_hang(ledger, monkeypatch):

@@ -16,7 +16,11 @@ from typing import Any
 from vllm.v1.kv_vmm.fair_share import EngineDemand, fair_shares
 
 #: The ledger's format; another number is refused (an engine of another
-#: version of this code on the same device).
+#: version of this code on the same device). Fields a later version adds
+#: that an older engine may ignore keep the number: an engine keeps the
+#: fields it does not know as they are (``extra``) and writes them back, so
+#: engines of several versions share a device during a rolling upgrade. A
+#: change an older engine must not ignore takes a new number.
 LEDGER_FORMAT = 1
 #: Limits of a valid ledger: larger sizes, files or engine counts are
 #: garbage, not a device.
@@ -26,6 +30,8 @@ MAX_LEDGER_ENTRIES = 1024
 MAX_NAME_CHARS = 256
 #: Largest share weight (``--kv-cache-vmm-share-weight``) a ledger holds.
 MAX_SHARE_WEIGHT = 1e6
+#: Most fields of a later version an entry or the ledger may carry.
+MAX_EXTRA_FIELDS = 32
 
 
 @dataclass
@@ -56,6 +62,8 @@ class LedgerEntry:
     """``--kv-cache-vmm-share-weight`` (the ledger CLI may change it)."""
     page_bytes: int = 1
     """Bytes one of its pages takes on the device."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Fields of a later version of the ledger, kept as they are."""
 
     def demand(self) -> EngineDemand:
         """The entry as the fair share sees it."""
@@ -90,6 +98,8 @@ class LedgerState:
     measured_by: str | None = None
     """Liveness token of the process that measured the capacity last: the
     ledger stays while that process lives, before its engine joins."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Fields of a later version of the ledger, kept as they are."""
 
     @property
     def held_bytes(self) -> int:
@@ -117,12 +127,13 @@ class LedgerState:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            **self.extra,
             "format": LEDGER_FORMAT,
             "key": self.key,
             "capacity_bytes": self.capacity_bytes,
             "capacity_fixed": self.capacity_fixed,
             "measured_by": self.measured_by,
-            "entries": [asdict(e) for e in self.entries],
+            "entries": [_entry_json(e) for e in self.entries],
         }
 
     def shares(self) -> dict[str, int]:
@@ -139,6 +150,11 @@ class LedgerState:
         for entry in doc["entries"]:
             entry["share_bytes"] = shares[entry["id"]]
         return doc
+
+
+def _entry_json(entry: LedgerEntry) -> dict[str, Any]:
+    doc = asdict(entry)
+    return {**doc.pop("extra"), **doc}
 
 
 # -- validation ---------------------------------------------------------------
@@ -163,13 +179,19 @@ def _check_bytes(where: str, value: Any, low: int) -> None:
 
 def _check_keys(
     where: str, doc: Any, keys: set[str], optional: frozenset[str] = frozenset()
-) -> None:
+) -> dict[str, Any]:
+    """Check that ``doc`` has ``keys`` (but ``optional``); returns the fields
+    it has beyond them (a later version's, see ``LEDGER_FORMAT``)."""
     _check_type(where, doc, (dict,))
     missing, unknown = keys - optional - doc.keys(), doc.keys() - keys
     if missing:
         raise _Invalid(f"{where} has no {', '.join(sorted(missing))}")
-    if unknown:
-        raise _Invalid(f"{where} has unknown fields {', '.join(sorted(unknown))}")
+    if len(unknown) > MAX_EXTRA_FIELDS:
+        raise _Invalid(
+            f"{where} has {len(unknown)} unknown fields (at most "
+            f"{MAX_EXTRA_FIELDS}: {', '.join(sorted(unknown)[:5])}, ...)"
+        )
+    return {k: doc[k] for k in unknown}
 
 
 def _check_id(where: str, value: Any, length: int) -> None:
@@ -179,7 +201,7 @@ def _check_id(where: str, value: Any, length: int) -> None:
 
 
 _ENTRY_ID_LEN = 12
-_ENTRY_FIELDS = {f for f in LedgerEntry.__dataclass_fields__}
+_ENTRY_FIELDS = {f for f in LedgerEntry.__dataclass_fields__} - {"extra"}
 #: Fields an entry of an older version has not.
 _SHARE_FIELDS = frozenset(
     ("used_bytes", "waiting_bytes", "waiting_since", "weight", "page_bytes")
@@ -196,7 +218,7 @@ _STATE_FIELDS = {
 
 def _parse_entry(i: int, doc: Any) -> LedgerEntry:
     where = f"entries[{i}]"
-    _check_keys(where, doc, _ENTRY_FIELDS, _SHARE_FIELDS)
+    extra = _check_keys(where, doc, _ENTRY_FIELDS, _SHARE_FIELDS)
     _check_id(f"{where}.id", doc["id"], _ENTRY_ID_LEN)
     _check_type(f"{where}.pid", doc["pid"], (int,))
     if not 0 <= doc["pid"] < 1 << 32:
@@ -211,7 +233,8 @@ def _parse_entry(i: int, doc: Any) -> LedgerEntry:
         _check_bytes(f"{where}.limit_bytes", doc["limit_bytes"], 1)
     _check_time(f"{where}.updated", doc["updated"])
     _check_share_fields(where, doc)
-    return LedgerEntry(**doc)
+    known = {k: v for k, v in doc.items() if k not in extra}
+    return LedgerEntry(**known, extra=extra)
 
 
 def _check_time(where: str, value: Any) -> None:
@@ -249,7 +272,7 @@ def parse_ledger(raw: bytes, key: str) -> LedgerState:
         raise _Invalid(f"not JSON ({e})") from None
     except RecursionError:
         raise _Invalid("not JSON (nested too deep)") from None
-    _check_keys("the ledger", doc, _STATE_FIELDS)
+    extra = _check_keys("the ledger", doc, _STATE_FIELDS)
     if doc["format"] != LEDGER_FORMAT or isinstance(doc["format"], bool):
         raise _Invalid(
             f"format is {json.dumps(doc['format'])[:40]}, not {LEDGER_FORMAT} "
@@ -273,6 +296,7 @@ def parse_ledger(raw: bytes, key: str) -> LedgerState:
         entries=entries,
         capacity_fixed=doc["capacity_fixed"],
         measured_by=doc["measured_by"],
+        extra=extra,
     )
 
 
