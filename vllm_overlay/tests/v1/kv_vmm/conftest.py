@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Fixtures of the KV page table tests: the same suite runs on the Linux
-host backend (everywhere) and on the CUDA backend (GPU hosts only)."""
+"""Fixtures of the KV page table tests. ``backend`` is the Linux host
+backend, so the suite runs everywhere; test_cuda_backend.py runs the same
+tests on the CUDA backend (GPU hosts only)."""
 
 import random
 import shutil
@@ -10,10 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.v1.kv_vmm.utils import (
-    requires_cuda_vmm,
     should_do_global_cleanup_after_test,  # noqa: F401 (the fixture)
 )
 from vllm.v1.kv_vmm import HostVmmBackend, VmmBackend, VmmOutOfMemoryError
@@ -25,19 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(
-    params=[
-        "host",
-        pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda_vmm]),
-    ]
-)
-def backend(request: pytest.FixtureRequest) -> Iterator[VmmBackend]:
-    if request.param == "host":
-        b: VmmBackend = HostVmmBackend()
-    else:
-        from vllm.v1.kv_vmm.cuda import CudaVmmBackend
-
-        b = CudaVmmBackend(torch.device("cuda", 0))
+@pytest.fixture(params=["host"])
+def backend() -> Iterator[VmmBackend]:
+    """The backend the page table tests run on; the test ids name it, as
+    those of test_cuda_backend.py (which overrides this fixture) do."""
+    b = HostVmmBackend()
     yield b
     b.close()
 

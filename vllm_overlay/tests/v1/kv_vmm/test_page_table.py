@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""KVPageTable on real virtual memory: the host backend everywhere, the CUDA
-backend on GPU hosts (same tests, ``backend`` fixture in conftest.py)."""
+"""KVPageTable on real virtual memory: the host backend (``backend`` fixture
+in conftest.py); test_cuda_backend.py runs the tests that take ``backend`` on
+the CUDA backend."""
 
 import pytest
 import torch

@@ -115,7 +115,7 @@ def test_a_host_copy_that_fails_part_way_fails_its_job():
 class _FakeStream(DeviceCopyStream):
     """A device stream stand-in (CPU hosts have none): copies with memmove
     when enqueued, events complete when ``ready``. Only the dispatch is
-    under test here; tests/v1/kv_vmm/test_backends.py drives the CUDA
+    under test here; tests/v1/kv_vmm/test_cuda_backend.py drives the CUDA
     stream's driver calls and the GPU test below the real device."""
 
     def __init__(self):
