@@ -233,7 +233,10 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False,
             if tests:
                 # Series tests built on vLLM's own test helpers name hub models (e.g.
                 # facebook/opt-125m): the offline hub cache of public configs serves them.
-                pytest(python, ["-m", "not gpu", "--timeout=600", *tests], release.tree,
+                # vLLM's slow_test cases (the overlay's real-process ones: the same code on
+                # every release) run on the default release only.
+                marks = "not gpu" if v == load_matrix()[0] else "not gpu and not slow_test"
+                pytest(python, ["-m", marks, "--timeout=600", *tests], release.tree,
                        f"{v} unit (series tests in tree)", results, {**offline_env(), **env})
         elif tier == "engine":
             select = [] if slow else ["-m", "not slow"]

@@ -26,6 +26,9 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
 
+# Real processes started and killed: about 10 s a case.
+pytestmark = pytest.mark.slow_test
+
 _PYTHON_PRELUDE = textwrap.dedent("""
     import os, sys, time, signal, uuid
     import numpy as np, torch
