@@ -34,28 +34,13 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + 3 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
 
 
-def _cpus(half: int) -> dict[str, str]:
-    """The OpenMP binding of an engine's worker to one half of this host's CPUs. vLLM's
+def _cpus(half: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND of an engine's worker: one half of this host's CPUs. vLLM's
     automatic binding puts every engine's worker on the same cores: on two cores an engine
     started beside a busy one got no CPU time and was not up after 10 minutes."""
     from bench_pd import cpu_halves
 
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpu_halves()[half]))}
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    """``values`` in the environment while an engine starts its processes."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return ",".join(map(str, cpu_halves()[half]))
 
 
 def _llm(model: Path, backend: str = "vmm", half: int = 0, **kwargs):
@@ -63,7 +48,9 @@ def _llm(model: Path, backend: str = "vmm", half: int = 0, **kwargs):
     from vllm import LLM
 
     options = {"max_num_seqs": 8, "max_num_batched_tokens": 8192, **kwargs}
-    with _environ(_cpus(half)):
+    # The binding is in the environment while the engine starts its processes.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", _cpus(half))
         return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                    enforce_eager=True, max_model_len=1024, seed=0,
                    kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
@@ -277,7 +264,8 @@ def _serve(model: Path, log: Path, half: int = 0, **engine):
 
     options = {"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True,
                "max_num_seqs": 8, "kv_cache_vmm_shared": True, **engine}
-    return Server(str(model), "vmm", options, log, {**os.environ, **_cpus(half)})
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": _cpus(half)}
+    return Server(str(model), "vmm", options, log, env)
 
 
 def test_garbage_in_the_ledger_never_takes_a_serving_engine_down(kv_model, ledger_dir, tmp_path):
