@@ -38,18 +38,42 @@ from vllm.v1.kv_vmm import HostVmmBackend, VmmError
 from vllm.v1.kv_vmm.backend import DeviceCopyStream
 
 
-def test_coalesce_merges_adjacent_rows_on_both_sides():
-    dst = np.array([0, 100, 200, 1000], dtype=np.uint64)
-    src = np.array([50, 150, 400, 250], dtype=np.uint64)
-    n = np.full(4, 100, dtype=np.uint64)
+def test_coalesce_merges_rows_adjacent_on_both_sides_in_read_order():
+    dst = np.array([0, 100, 200, 1000, 1100, 1200], dtype=np.uint64)
+    src = np.array([50, 150, 400, 250, 350, 700], dtype=np.uint64)
+    n = np.array([100, 100, 100, 100, 100, 50], dtype=np.uint64)
     runs = coalesce(dst, src, n)
-    # 0<-50 and 100<-150 merge; 1000<-250 follows 100<-150 in the source
-    # but not in the destination; 200<-400 stands alone.
-    assert sorted(map(tuple, runs.tolist())) == [
-        (0, 50, 200),
-        (200, 400, 100),
-        (1000, 250, 100),
+    # 0<-50 and 100<-150 merge; 200<-400 stands alone; 1000<-250 follows
+    # 100<-150 in the source but not in the destination, and starts a run
+    # that 1100<-350 extends; 1200<-700 does not follow it in the source.
+    assert runs.tolist() == [
+        [0, 50, 200],
+        [200, 400, 100],
+        [1000, 250, 200],
+        [1200, 700, 50],
     ]
+    assert runs.dtype == np.uint64
+    assert coalesce(*(np.zeros(0, dtype=np.uint64),) * 3).shape == (0, 3)
+
+
+def test_coalesce_keeps_each_region_of_a_prompt_one_run():
+    """A read as NixlConnector lists it (region by region, blocks in the
+    request's order) of blocks both sides hold in the same order is one run
+    per region; blocks in another order on one side stay separate rows."""
+    block, num_blocks, regions = 4096, 64, 3
+    ids = np.arange(10, 26, dtype=np.uint64)
+
+    def rows(base: int, block_ids: np.ndarray) -> np.ndarray:
+        region = np.arange(regions, dtype=np.uint64)[:, None]
+        return (base + (region * num_blocks + block_ids[None, :]) * block).ravel()
+
+    lengths = np.full(regions * len(ids), block, dtype=np.uint64)
+    runs = coalesce(rows(1 << 30, ids), rows(1 << 31, ids + 7), lengths)
+    assert runs[:, 2].tolist() == [len(ids) * block] * regions
+    shuffled = np.random.default_rng(0).permutation(ids)
+    runs = coalesce(rows(1 << 30, ids), rows(1 << 31, shuffled), lengths)
+    assert int(runs[:, 2].sum()) == int(lengths.sum())
+    assert len(runs) > regions
 
 
 def test_host_copies_take_one_system_call_per_1024_runs_or_fall_back_to_memmove():

@@ -77,12 +77,15 @@ def test_kernel_copies_every_run_and_nothing_else():
         base = torch.zeros(4, dtype=torch.int64)
         s, d = src.data_ptr(), dst.data_ptr()
         # Blocks of 4 KiB in another order on each side, one run longer than
-        # a piece, and runs next to each other.
+        # a piece, runs next to each other, and runs with a masked tail after
+        # whole iterations or only one.
         runs = np.array([[d, s + 65536, 4096], [d + 4096, s, 4096],
                          [d + 8192, s + 8192, 2 * cc.PIECE_BYTES + 512],
+                         [d + 200000, s + 200000, 4096 + 48],
                          [d + 300000, s + 400000, 16]], dtype=np.uint64)
         pieces = torch.from_numpy(cc.kernel_pieces(runs, base.data_ptr()))
-        kernel[(len(pieces),)](base, pieces, WORDS_PER_ITER=64)
+        # Fewer programs than pieces: each copies several, in turn.
+        kernel[(2,)](base, pieces, len(pieces), WORDS_PER_ITER=64)
         want = torch.full_like(dst, -1)
         for r in runs.tolist():
             want[r[0] - d >> 3 : r[0] - d + r[2] >> 3] = src[
@@ -105,7 +108,7 @@ def test_kernel_copies_every_run_and_nothing_else():
     skips = [ln for ln in done.stdout.splitlines() if ln.startswith("SKIP ")]
     if skips:
         pytest.skip(skips[0][5:].strip())
-    assert "copied 6 pieces" in done.stdout
+    assert "copied 7 pieces" in done.stdout
 
 
 def test_kernel_pieces_of_short_runs_need_no_cut():

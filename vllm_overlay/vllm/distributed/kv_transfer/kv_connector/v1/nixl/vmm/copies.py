@@ -37,18 +37,27 @@ _IOV_MAX = 1024
 
 
 def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``(dst, src, n)`` copy runs: rows adjacent on both sides merged."""
-    order = np.lexsort((dst, src))
-    dst, src, lengths = dst[order], src[order], lengths[order]
-    if len(dst) == 0:
+    """``(dst, src, n)`` copy runs: rows adjacent on both sides to the row
+    before them merged.
+
+    Rows are merged in the read's order, without sorting: NixlConnector
+    lists a read's descriptors region by region, blocks in the request's
+    order, so blocks the two instances hold in the same order are neighbours
+    already; sorting a prompt's 16,000 rows took longer than copying them.
+    """
+    n = len(dst)
+    if n == 0:
         return np.zeros((0, 3), dtype=np.uint64)
-    ends_d = dst + lengths
-    ends_s = src + lengths
-    new_run = np.ones(len(dst), dtype=bool)
-    new_run[1:] = (dst[1:] != ends_d[:-1]) | (src[1:] != ends_s[:-1])
+    new_run = np.empty(n, dtype=bool)
+    new_run[0] = True
+    np.not_equal(dst[1:], dst[:-1] + lengths[:-1], out=new_run[1:])
+    new_run[1:] |= src[1:] != src[:-1] + lengths[:-1]
     starts = np.flatnonzero(new_run)
-    run_len = np.add.reduceat(lengths, starts)
-    return np.stack([dst[starts], src[starts], run_len], axis=1).astype(np.uint64)
+    runs = np.empty((len(starts), 3), dtype=np.uint64)
+    runs[:, 0] = dst[starts]
+    runs[:, 1] = src[starts]
+    runs[:, 2] = np.add.reduceat(lengths, starts)
+    return runs
 
 
 class CopyJob(ABC):

@@ -9,8 +9,16 @@ orders, little is adjacent: a 4000-token prompt of a Llama-3.1-8B is 16,000
 blocks of 32 KiB (one per layer, K and V). Enqueued as copy-engine copies
 (``cuMemcpyBatchAsync``, one Python object per address) such a read held the
 engine's thread for up to 74 ms on a GPU host. One kernel copies them with
-the SMs instead: the runs go to the device as one small array, and each
-program copies one piece of a run.
+the SMs instead: the runs go to the device as one small array, and a fixed
+number of programs copy its pieces in turn.
+
+Sizing, measured on two H100s over NVLink (docs/BENCHMARKS.md): every
+unmasked layout of 4-8 warps and 4-16 KiB per loop iteration read peers at
+0.87-0.95 of a copy-engine copy of the same bytes; a grid of one program per
+piece left a GEMM loop running beside the reads at 1.8x its time, half as
+many programs as SMs (each copying many pieces) at 1.26x with 0.93 of the
+link. The kernel therefore runs on half the SMs at most: a decode step of
+the reading engine keeps the other half.
 """
 
 import threading
@@ -26,7 +34,8 @@ from vllm.triton_utils import HAS_TRITON, tl, triton
 PIECE_BYTES = 64 << 10
 # What every address and length must be a multiple of (16-byte accesses).
 ALIGNMENT = 16
-_WORDS_PER_ITER = 512  # int64 words each program moves per loop iteration
+_WORDS_PER_ITER = 1024  # int64 words each program moves per loop iteration
+_NUM_WARPS = 8
 # Upload buffers per stream, used in turn (see RunCopier._uploads_for).
 _UPLOAD_SLOTS = 4
 
@@ -47,18 +56,25 @@ def _kernel_errors() -> tuple[type[Exception], ...]:
 
 
 @triton.jit
-def _copy_runs_kernel(base_ptr, pieces_ptr, WORDS_PER_ITER: tl.constexpr):
-    """Copy piece ``program_id`` of ``pieces`` ((dst, src, nwords) rows, in
-    int64 words relative to ``base_ptr``)."""
-    row = tl.program_id(0).to(tl.int64) * 3
-    dst = tl.multiple_of(tl.load(pieces_ptr + row), 2)
-    src = tl.multiple_of(tl.load(pieces_ptr + row + 1), 2)
-    nwords = tl.load(pieces_ptr + row + 2)
-    for start in range(0, nwords, WORDS_PER_ITER):
-        offs = start + tl.arange(0, WORDS_PER_ITER)
-        mask = offs < nwords
-        words = tl.load(base_ptr + src + offs, mask=mask)
-        tl.store(base_ptr + dst + offs, words, mask=mask)
+def _copy_runs_kernel(base_ptr, pieces_ptr, num_pieces, WORDS_PER_ITER: tl.constexpr):
+    """Copy pieces ``program_id``, ``program_id + num_programs``, ... of
+    ``pieces`` ((dst, src, nwords) rows, in int64 words relative to
+    ``base_ptr``). Whole iterations go unmasked, so their loads and stores
+    are 16 bytes wide; only a piece's last words are masked."""
+    for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
+        row = piece * 3
+        dst = tl.multiple_of(tl.load(pieces_ptr + row), 2)
+        src = tl.multiple_of(tl.load(pieces_ptr + row + 1), 2)
+        nwords = tl.load(pieces_ptr + row + 2)
+        whole = nwords // WORDS_PER_ITER * WORDS_PER_ITER
+        for start in range(0, whole, WORDS_PER_ITER):
+            offs = start + tl.arange(0, WORDS_PER_ITER)
+            tl.store(base_ptr + dst + offs, tl.load(base_ptr + src + offs))
+        if whole < nwords:
+            offs = whole + tl.arange(0, WORDS_PER_ITER)
+            mask = offs < nwords
+            words = tl.load(base_ptr + src + offs, mask=mask)
+            tl.store(base_ptr + dst + offs, words, mask=mask)
 
 
 def split_runs(runs: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
@@ -84,7 +100,7 @@ def kernel_pieces(runs: np.ndarray, base_addr: int) -> np.ndarray:
         runs = split_runs(runs)
     pieces = runs.astype(np.int64)
     pieces[:, :2] -= base_addr
-    pieces //= 8
+    pieces >>= 3  # every address and length is a multiple of 16 bytes
     return pieces
 
 
@@ -113,6 +129,9 @@ class RunCopier:
         self._lock = threading.Lock()
         self._base = torch.zeros(4, dtype=torch.int64, device=device)
         self._base_addr = self._base.data_ptr()
+        # Programs of one launch: half the SMs (see the module docstring).
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._max_programs = max(1, sms // 2)
         if self._base_addr % ALIGNMENT:
             raise CopyKernelUnavailable("unaligned base tensor")
 
@@ -140,8 +159,12 @@ class RunCopier:
             # in the stream's order, the host one once this upload is over.
             uploads.device[:n].copy_(uploads.host[:n], non_blocking=True)
             uploads.uploaded.record()
-            _copy_runs_kernel[(n,)](
-                self._base, uploads.device, WORDS_PER_ITER=_WORDS_PER_ITER
+            _copy_runs_kernel[(min(n, self._max_programs),)](
+                self._base,
+                uploads.device,
+                n,
+                WORDS_PER_ITER=_WORDS_PER_ITER,
+                num_warps=_NUM_WARPS,
             )
 
     def _uploads_for(self, stream: int, n: int) -> _Uploads:
