@@ -38,7 +38,8 @@ _IOV_MAX = 1024
 
 def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``(dst, src, n)`` copy runs: rows adjacent on both sides to the row
-    before them merged.
+    before them merged (for copiers that pay per run: a system call's
+    iovec, a copy-engine copy).
 
     Rows are merged in the read's order, without sorting: NixlConnector
     lists a read's descriptors region by region, blocks in the request's
@@ -80,8 +81,9 @@ class Copier(ABC):
 
     @abstractmethod
     def submit(self, runs: np.ndarray) -> CopyJob:
-        """Start copying the ``(dst, src, n)`` rows of ``runs``; raises
-        :class:`VmmError` if they cannot be started."""
+        """Start copying the ``(dst, src, n)`` rows of ``runs`` (uint64, one
+        per descriptor of the read); raises :class:`VmmError` if they cannot
+        be started."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop; copies started before finish first."""
@@ -136,7 +138,8 @@ class HostCopier(Copier):
         return _FutureJob(self._executor.submit(self.copy, runs))
 
     def copy(self, runs: np.ndarray) -> None:
-        """Copy the ``(dst, src, n)`` runs now."""
+        """Copy the ``(dst, src, n)`` rows now."""
+        runs = coalesce(runs[:, 0], runs[:, 1], runs[:, 2])
         if self._readv is not None and self._copy_readv(runs):
             return
         for dst, src, n in np.asarray(runs).reshape(-1, 3).tolist():
@@ -209,9 +212,10 @@ class DeviceCopier(Copier):
 
     def submit(self, runs: np.ndarray) -> CopyJob:
         if self.kernel is not None and self.kernel.accepts(runs):
+            # Rows as they are: the kernel cuts work into pieces anyway.
             self.kernel.launch(runs, self.stream.handle)
         else:
-            self.stream.copy(runs)
+            self.stream.copy(coalesce(runs[:, 0], runs[:, 1], runs[:, 2]))
         return _EventJob(self.stream, self.stream.record())
 
 

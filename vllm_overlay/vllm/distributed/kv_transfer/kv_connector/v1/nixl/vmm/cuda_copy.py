@@ -92,16 +92,32 @@ def split_runs(runs: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
     return pieces
 
 
-def kernel_pieces(runs: np.ndarray, base_addr: int) -> np.ndarray:
+def kernel_pieces(
+    runs: np.ndarray, base_addr: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """The kernel's ``(dst, src, nwords)`` rows for ``runs``: pieces of at
-    most :data:`PIECE_BYTES`, addresses as int64 words from ``base_addr``."""
+    most :data:`PIECE_BYTES`, addresses as int64 words from ``base_addr``;
+    written into ``out`` (at least that many rows) where given."""
     runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
     if len(runs) and int(runs[:, 2].max()) > PIECE_BYTES:
         runs = split_runs(runs)
-    pieces = runs.astype(np.int64)
-    pieces[:, :2] -= base_addr
+    pieces = out[: len(runs)] if out is not None else np.empty(runs.shape, np.int64)
+    # Every address is below 2**63: the same bits as int64.
+    np.subtract(
+        np.ascontiguousarray(runs).view(np.int64),
+        np.array([base_addr, base_addr, 0], dtype=np.int64),
+        out=pieces,
+    )
     pieces >>= 3  # every address and length is a multiple of 16 bytes
     return pieces
+
+
+def num_pieces(runs: np.ndarray) -> int:
+    """How many rows :func:`kernel_pieces` makes of ``runs``."""
+    lengths = runs[:, 2].astype(np.int64)
+    if not len(lengths) or int(lengths.max()) <= PIECE_BYTES:
+        return len(lengths)
+    return int(np.maximum((lengths + PIECE_BYTES - 1) // PIECE_BYTES, 1).sum())
 
 
 @dataclass
@@ -145,8 +161,8 @@ class RunCopier:
     def launch(self, runs: np.ndarray, stream: int) -> None:
         """Enqueue the copies of ``runs`` (:meth:`accepts` them) on the CUDA
         stream ``stream`` (a handle) of our device."""
-        pieces = kernel_pieces(runs, self._base_addr)
-        n = len(pieces)
+        runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
+        n = num_pieces(runs)
         if not n:
             return
         with (
@@ -154,7 +170,7 @@ class RunCopier:
             torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)),
         ):
             uploads = self._uploads_for(stream, n)
-            np.copyto(uploads.host[:n].numpy(), pieces)
+            kernel_pieces(runs, self._base_addr, out=uploads.host.numpy())
             # Asynchronous out of pinned memory; the device buffer is reused
             # in the stream's order, the host one once this upload is over.
             uploads.device[:n].copy_(uploads.host[:n], non_blocking=True)

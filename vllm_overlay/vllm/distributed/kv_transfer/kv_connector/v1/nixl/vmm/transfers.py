@@ -31,7 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     Copier,
     CopyJob,
-    coalesce,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.importer import (
     ChunkImporter,
@@ -148,7 +147,7 @@ class SameHostXfer(XferHandle):
 
     importer: ChunkImporter
     copier: Copier
-    #: ``(dst, src, nbytes)`` copy runs.
+    #: ``(dst, src, nbytes)`` copies, one per descriptor of the read.
     runs: np.ndarray
     #: The chunks the runs read from, pinned.
     pinned: list[int]
@@ -418,7 +417,10 @@ class SameHostReads:
         if not np.array_equal(lengths, remote_rows[:, 1].astype(np.uint64)):
             importer.unpin(ids)
             raise VmmError("same-host read: local and remote descriptor sizes differ")
-        runs = coalesce(local_rows[:, 0].astype(np.uint64), src, lengths)
+        runs = np.empty((len(src), 3), dtype=np.uint64)
+        runs[:, 0] = local_rows[:, 0]
+        runs[:, 1] = src
+        runs[:, 2] = lengths
         return SameHostXfer(
             importer,
             self.copier,
