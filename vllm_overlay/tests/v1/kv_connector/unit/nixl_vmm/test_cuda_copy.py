@@ -72,8 +72,8 @@ def test_kernel_copies_every_run_and_nothing_else():
                   f"{np.__version__} cannot interpret a loaded loop bound: {e}")
             raise SystemExit(0)
         kernel = triton.jit(getattr(cc._copy_runs_kernel, "fn", cc._copy_runs_kernel))
-        src = torch.arange(1 << 16, dtype=torch.int64)
-        dst = torch.full((1 << 16,), -1, dtype=torch.int64)
+        src = torch.arange(1 << 18, dtype=torch.int64)
+        dst = torch.full((1 << 18,), -1, dtype=torch.int64)
         base = torch.zeros(4, dtype=torch.int64)
         s, d = src.data_ptr(), dst.data_ptr()
         # Blocks of 4 KiB in another order on each side, one run longer than
@@ -81,8 +81,8 @@ def test_kernel_copies_every_run_and_nothing_else():
         # whole iterations or only one.
         runs = np.array([[d, s + 65536, 4096], [d + 4096, s, 4096],
                          [d + 8192, s + 8192, 2 * cc.PIECE_BYTES + 512],
-                         [d + 200000, s + 200000, 4096 + 48],
-                         [d + 300000, s + 400000, 16]], dtype=np.uint64)
+                         [d + 600000, s + 600000, 4096 + 48],
+                         [d + 700000, s + 800000, 16]], dtype=np.uint64)
         pieces = torch.from_numpy(cc.kernel_pieces(runs, base.data_ptr()))
         # Fewer programs than pieces: each copies several, in turn.
         kernel[(2,)](base, pieces, len(pieces), WORDS_PER_ITER=64)

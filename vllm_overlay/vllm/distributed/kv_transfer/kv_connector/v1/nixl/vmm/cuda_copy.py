@@ -29,9 +29,11 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
 
-# Longest piece one program copies: long runs are cut so the programs do
-# equal work.
-PIECE_BYTES = 64 << 10
+# Longest piece one program copies at a time: longer rows are cut so the
+# programs do about equal work. A descriptor of up to 256 KiB (a block of
+# one layer) is one piece as it is: cutting a read's rows cost more host
+# time than the copies gained.
+PIECE_BYTES = 256 << 10
 # What every address and length must be a multiple of (16-byte accesses).
 ALIGNMENT = 16
 _WORDS_PER_ITER = 1024  # int64 words each program moves per loop iteration
