@@ -12,13 +12,13 @@ engine's thread for up to 74 ms on a GPU host. One kernel copies them with
 the SMs instead: the runs go to the device as one small array, and a fixed
 number of programs copy its pieces in turn.
 
-Sizing, measured on two H100s over NVLink (docs/BENCHMARKS.md): every
-unmasked layout of 4-8 warps and 4-16 KiB per loop iteration read peers at
-0.87-0.95 of a copy-engine copy of the same bytes; a grid of one program per
-piece left a GEMM loop running beside the reads at 1.8x its time, half as
-many programs as SMs (each copying many pieces) at 1.26x with 0.93 of the
-link. The kernel therefore runs on half the SMs at most: a decode step of
-the reading engine keeps the other half.
+Sizing, measured on two H100s over NVLink (docs/BENCHMARKS.md,
+scripts/bench/bench_copy_kernel.py): with half as many programs as SMs and
+8 KiB per loop iteration the kernel read the peer at 0.92-0.94 of a
+copy-engine copy of the same bytes (one program per piece: 0.93-0.97), and a
+GEMM loop running beside the reads took 1.15x its time alone (one program
+per piece: 1.50x). The kernel therefore runs on half the SMs at most: a
+decode step of the reading engine keeps the other half.
 """
 
 import threading
