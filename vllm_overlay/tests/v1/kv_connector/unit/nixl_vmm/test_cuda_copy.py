@@ -85,7 +85,7 @@ def test_kernel_copies_every_run_and_nothing_else():
                          [d + 700000, s + 800000, 16]], dtype=np.uint64)
         pieces = torch.from_numpy(cc.kernel_pieces(runs, base.data_ptr()))
         # Fewer programs than pieces: each copies several, in turn.
-        kernel[(2,)](base, pieces, len(pieces), WORDS_PER_ITER=64)
+        kernel[(2,)](base, pieces, len(pieces), WORDS_PER_ITER=512)
         want = torch.full_like(dst, -1)
         for r in runs.tolist():
             want[r[0] - d >> 3 : r[0] - d + r[2] >> 3] = src[
