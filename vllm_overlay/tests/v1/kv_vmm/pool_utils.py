@@ -3,6 +3,8 @@
 """The scheduler's page-aware block pool as its tests build it. Kept apart
 from ``utils.py``, which the page table's tests use without the scheduler."""
 
+from typing import Any
+
 from tests.v1.kv_vmm.utils import Clock
 from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
 from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
@@ -40,16 +42,23 @@ def make_page_policy(
 
 
 def make_block_pool(
-    policy: KVPagePolicy, num_blocks: int, clock: Clock | None = None
+    policy: KVPagePolicy,
+    num_blocks: int,
+    clock: Clock | None = None,
+    pool_class: type[PagedBlockPool] = PagedBlockPool,
+    **pool_kwargs: Any,
 ) -> PagedBlockPool:
-    """The block pool of ``policy`` with prefix caching, on a clock the test
-    moves (a new :class:`Clock` unless ``clock``): backoffs, delays and
-    rates then pass only when the test says so."""
-    pool = PagedBlockPool(
+    """The block pool (``pool_class``) of ``policy`` with prefix caching, on
+    a clock the test moves (a new :class:`Clock` unless ``clock``): backoffs,
+    delays and rates then pass only when the test says so. ``pool_kwargs``:
+    more arguments of the pool (a policy with a ledger needs its
+    ``share_factory``)."""
+    pool = pool_class(
         num_gpu_blocks=num_blocks,
         enable_caching=True,
         hash_block_size=16,
         policy=policy,
+        **pool_kwargs,
     )
     pool.clock = Clock() if clock is None else clock
     return pool

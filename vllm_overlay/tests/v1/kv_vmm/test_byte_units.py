@@ -8,8 +8,9 @@ backend's device), the unit the device ledger counts in.
 Two ranks' KV cache configs, planned by the release's own planner, on two
 GPUs (one rank each) and on the host device (both ranks): the same number of
 bytes gives the same page limit through --kv-cache-vmm-limit-bytes, the
-runtime limit (the Python API and the HTTP route's query) and the device
-ledger's CLI, and the counters and the metrics show it back in the same unit."""
+runtime limit (the Python API and the HTTP route's query), and the counters
+and the metrics show it back in the same unit (the device ledger's:
+test_byte_units_shared.py)."""
 
 import pytest
 import torch
@@ -29,8 +30,6 @@ from vllm.config import (
 )
 from vllm.v1.kv_cache_compat import get_kv_cache_configs, set_kv_cache_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from vllm.v1.kv_vmm.ledger import KVMemoryLedger
-from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
 from vllm.v1.kv_vmm.pages import (
     KV_PAGE_GRANULARITY,
     KVPagePolicy,
@@ -140,57 +139,6 @@ def test_the_same_bytes_give_the_same_pages_everywhere(tmp_path, shape, devices)
     assert query == (None, limit)
     answer = kv_page_limit_result(pool.set_page_limit(*query))
     assert answer["kv_page_limit"] == 5 and answer["kv_limit_bytes"] == 5 * page
-
-
-@pytest.mark.parametrize("devices", list(DEVICES))
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_the_device_ledger_counts_in_the_same_unit(
-    tmp_path, ledger_dir, shape, devices
-):
-    configs = rank_configs(tmp_path, shape)
-    keys = DEVICES[devices]
-    base = make_kv_page_policy(vmm_options(), configs, device_keys=keys)
-    page = base.device_page_bytes
-    limit = 5 * page + page // 2
-    # The flag with sharing on: the engine joins each device's ledger with
-    # its page limit in that device's bytes.
-    policy = make_kv_page_policy(
-        vmm_options(kv_cache_vmm_shared=True, kv_cache_vmm_limit_bytes=limit),
-        configs,
-        device_keys=keys,
-    )
-    assert policy.ledger is not None
-    per_device = policy.ledger.devices
-    assert max(per_device.values()) == page
-    pool = make_pool(policy, configs)
-    try:
-        for key, device_page in per_device.items():
-            (entry,) = KVMemoryLedger(key).read().entries
-            assert entry.limit_bytes == 5 * device_page
-        # The largest device's ledger shows the engine's figures as they are.
-        largest = max(per_device, key=per_device.__getitem__)
-        (entry,) = KVMemoryLedger(largest).read().entries
-        assert entry.mapped_bytes == pool.make_page_stats().mapped_bytes
-
-        # The runtime limit writes the same bytes back to the ledgers.
-        pool.set_page_limit(max_bytes=3 * page)
-        (entry,) = KVMemoryLedger(largest).read().entries
-        assert entry.limit_bytes == 3 * page == pool.page_stats()["kv_limit_bytes"]
-
-        # The operator's CLI: the same number of bytes on each device of the
-        # engine is the same page limit at the engine's next ledger read.
-        for key in per_device:
-            (own,) = KVMemoryLedger(key).read().entries
-            args = ["set", own.id, "--key", key, "--limit-bytes", str(limit)]
-            assert ledger_cli(args, str(ledger_dir)) == 0
-        pool.clock.now += 1.0
-        pool.take_page_ops()
-        assert pool.policy.max_pages == 5
-        assert pool.page_stats()["kv_limit_bytes"] == 5 * page
-        # The floor the metrics show is the largest device's, as the ledger has it.
-        assert pool.make_page_stats().floor_bytes == entry.floor_bytes
-    finally:
-        pool.close()
 
 
 def test_a_flag_below_one_page_is_refused_and_beyond_the_capacity_lowered(

@@ -14,10 +14,11 @@ import pytest
 
 from tests.v1.kv_vmm.pool_utils import make_block_pool
 from tests.v1.kv_vmm.utils import Clock
+from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger, LedgerError
 from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli
 from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
-from vllm.v1.kv_vmm.scheduler import PagedBlockPool
+from vllm.v1.kv_vmm.pool_share import FairSharePagedBlockPool
 
 BPP = 4  # blocks per page
 PAGE = 1 << 20
@@ -37,7 +38,7 @@ class Waiting:
     num_tokens: int
 
 
-def make_pool(name: str, clock: Clock, **share) -> PagedBlockPool:
+def make_pool(name: str, clock: Clock, **share) -> FairSharePagedBlockPool:
     """An engine's pool without page reports (blocks of new pages are handed
     out at once), a long shrink delay (pages stay mapped unless the share
     takes them), on the host ledger of 16 pages."""
@@ -54,12 +55,19 @@ def make_pool(name: str, clock: Clock, **share) -> PagedBlockPool:
             devices={"host": PAGE}, capacity_bytes=16 * PAGE, floor_bytes=0, name=name
         ),
     )
-    pool = make_block_pool(policy, NUM_BLOCKS, clock)
+    pool = make_block_pool(
+        policy,
+        NUM_BLOCKS,
+        clock,
+        pool_class=FairSharePagedBlockPool,
+        share_factory=DeviceShare,
+    )
+    assert isinstance(pool, FairSharePagedBlockPool)
     pool.set_share_options(ShareOptions(**share))
     return pool
 
 
-def step(pool: PagedBlockPool, clock: Clock, seconds: float = 0.1):
+def step(pool: FairSharePagedBlockPool, clock: Clock, seconds: float = 0.1):
     clock.now += seconds
     return pool.take_page_ops()
 
@@ -69,12 +77,12 @@ def entry(name: str):
     return next(e for e in state.entries if e.name == name)
 
 
-def wait_for(pool: PagedBlockPool, blocks: int) -> None:
+def wait_for(pool: FairSharePagedBlockPool, blocks: int) -> None:
     """Requests of ``blocks`` blocks (16 tokens each) wait in ``pool``."""
     pool.note_waiting([Waiting(16 * blocks)], 8, 16)
 
 
-def hold(pool: PagedBlockPool, num_blocks: int) -> list:
+def hold(pool: FairSharePagedBlockPool, num_blocks: int) -> list:
     return pool.get_new_blocks(num_blocks)
 
 
@@ -96,7 +104,7 @@ def test_demand_and_weight_are_published(ledger_base):
     a.close()
 
 
-def start_waiting_engine(clock: Clock) -> PagedBlockPool:
+def start_waiting_engine(clock: Clock) -> FairSharePagedBlockPool:
     """Engine B joins the ledger with requests of 10 pages' worth waiting,
     and publishes its demand at its first step."""
     b = make_pool("b", clock)
@@ -105,7 +113,9 @@ def start_waiting_engine(clock: Clock) -> PagedBlockPool:
     return b
 
 
-def wait_until_it_counts(a: PagedBlockPool, b: PagedBlockPool, clock: Clock) -> None:
+def wait_until_it_counts(
+    a: FairSharePagedBlockPool, b: FairSharePagedBlockPool, clock: Clock
+) -> None:
     """B keeps waiting past the 0.25 s after which a waiter counts (a
     momentary wait takes nothing from A); A's next step caps A at its share."""
     clock.now += 0.3
@@ -130,7 +140,7 @@ def rewrite_entry(
     return ledger
 
 
-def grow_then_idle(a: PagedBlockPool, clock: Clock) -> int:
+def grow_then_idle(a: FairSharePagedBlockPool, clock: Clock) -> int:
     """A maps 14 of the 16 pages for a peak, then its requests finish (the
     pages stay mapped: free, cached)."""
     held = hold(a, 14 * BPP - 1)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.v1.kv_vmm.pool_utils import BPP, PAGE, make_block_pool, make_page_policy
+from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.ledger import (
     STAMP_SETTLE_S,
     KVMemoryLedger,
@@ -42,7 +43,7 @@ def make_pool(
     # host).
     for _ in range(num_ranks if reports else 0):
         status.report(initial_kv_pages(policy), [])
-    return make_block_pool(policy, num_blocks), status
+    return make_block_pool(policy, num_blocks, share_factory=DeviceShare), status
 
 
 def test_ahead_pages_are_handed_out_once_every_rank_has_them():

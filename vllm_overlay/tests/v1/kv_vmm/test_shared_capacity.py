@@ -3,7 +3,8 @@
 """Engines sharing a device size their KV memory apart from the startup
 profile: the memory request does not need to be free, and the device's
 shared capacity is measured by each starting engine with the other engines'
-KV memory counted as available."""
+KV memory counted as available. A rank that cannot map its pages names the
+engines of the device's ledger."""
 
 import multiprocessing
 import os
@@ -12,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.v1.kv_vmm.test_map_failures import startup_failure
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.ledger_cli import main as cli
-from vllm.v1.kv_vmm.worker import (
+from vllm.v1.kv_vmm.shared_device import (
     measure_shared_kv_capacity,
     shared_kv_memory_request,
 )
@@ -127,3 +129,15 @@ def test_measured_ledger_lives_while_its_engine_starts(device_ledger):
     assert proc.exitcode == 0 and os.path.exists(path)
     assert device_ledger.read() is None
     assert not os.path.exists(path)
+
+
+def test_startup_that_cannot_map_names_the_engines_of_the_ledger(
+    monkeypatch, map_failures, ledger_dir
+):
+    # Another engine holds KV memory of this device (the host's ledger).
+    other = KVMemoryLedger("host")
+    other.join(
+        capacity_bytes=1 << 30, name="engine-b", mapped_bytes=96 << 20, floor_bytes=0
+    )
+    message = startup_failure(monkeypatch, map_failures)
+    assert "engine-b (pid" in message and "96 MiB mapped" in message

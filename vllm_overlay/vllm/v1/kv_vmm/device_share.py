@@ -28,16 +28,12 @@ from vllm.v1.kv_vmm.ledger import (
     stamp_is_settled,
 )
 from vllm.v1.kv_vmm.pages import KVPagePolicy
+from vllm.v1.kv_vmm.pool_limits import (
+    LEDGER_FULL_READ_INTERVAL_S,
+    LEDGER_READ_INTERVAL_S,
+)
 
 logger = init_logger(__name__)
-
-#: How often the pool reads the device ledgers (what is free, its limit).
-LEDGER_READ_INTERVAL_S = 0.05
-#: A ledger nobody wrote since the last read is read again (to drop the
-#: entries of engines that died) this often; between, a ``stat`` shows that
-#: nothing changed. A full read (lock, parse, a /proc look-up per engine)
-#: costs the scheduler about as much as a step's allocations of 30 requests.
-LEDGER_FULL_READ_INTERVAL_S = 1.0
 
 
 class DeviceShare:
@@ -269,6 +265,17 @@ class DeviceShare:
             except LedgerError as e:
                 self._failed(ledger, e)
         self.limit_pages = num_pages
+
+    def largest_device_floor_bytes(self, device_page_bytes: int) -> int:
+        """This engine's floor on the device that holds the most of its KV
+        memory, as the ledger last showed it (the floor it joined with
+        before the first read)."""
+        largest = max(self.devices, key=self.devices.__getitem__)
+        ids = {entry_id for _, entry_id, _ in self.ledgers}
+        for entry in self.states.get(largest, {}).get("entries", []):
+            if entry["id"] in ids:
+                return entry["floor_bytes"]
+        return self.floor_pages * device_page_bytes
 
     def close(self) -> None:
         self._finalizer()

@@ -71,10 +71,19 @@ class KVVmmOptions(Protocol):
     kv_cache_vmm_max_pages: int | None
     kv_cache_vmm_shrink: KVPageShrinkPolicy
     kv_cache_vmm_shrink_delay: float
+    kv_cache_vmm_limit_bytes: int | None
+
+
+class KVDeviceShareOptions(Protocol):
+    """What engines sharing a device's KV memory read of vLLM's
+    ``CacheConfig`` (``--kv-cache-vmm-shared*``,
+    ``--kv-cache-vmm-floor-bytes``; see :mod:`vllm.v1.kv_vmm.ledger`). A
+    protocol of its own: the patch that adds these fields comes after the one
+    that adds :class:`KVVmmOptions`."""
+
     kv_cache_vmm_shared: bool
     kv_cache_vmm_shared_bytes: int | None
     kv_cache_vmm_floor_bytes: int | None
-    kv_cache_vmm_limit_bytes: int | None
     kv_cache_vmm_shared_group: str | None
 
 

@@ -31,6 +31,7 @@ from vllm.v1.kv_vmm.page_policy import (
     KV_PAGE_GRANULARITY,
     KV_PAGE_MIN_CHUNK_BYTES,
     KV_PAGE_MIN_COUNT,
+    KVDeviceShareOptions,
     KVLedgerOptions,
     KVPageOps,
     KVPagePolicy,
@@ -51,6 +52,7 @@ logger = init_logger(__name__)
 __all__ = [
     "HOST_DEVICE_KEY",
     "KVBackingTensor",
+    "KVDeviceShareOptions",
     "KVLedgerOptions",
     "KVPageOps",
     "KVPagePolicy",
@@ -277,6 +279,7 @@ def make_kv_page_policy(
     min_chunk_bytes: int = 0,
     ahead_blocks: int = 0,
     device_keys: Sequence[str] | None = None,
+    share_options: KVDeviceShareOptions | None = None,
 ) -> KVPagePolicy:
     """One policy for all ranks, budget = the blocks profiling found.
 
@@ -287,6 +290,8 @@ def make_kv_page_policy(
     :data:`KV_PAGE_MIN_COUNT` pages. ``ahead_blocks``: see
     :attr:`KVPagePolicy.ahead_blocks`. ``device_keys``: each rank's device
     (see :func:`kv_device_bytes`), which byte figures are counted per.
+    ``share_options``: the device sharing options, where the engine has them
+    (:func:`kv_ledger_options`).
     """
     unit = math.lcm(
         *(kv_page_geometry(c, granularity).blocks_per_page for c in kv_cache_configs)
@@ -319,12 +324,12 @@ def make_kv_page_policy(
         device_page_bytes=device_page_bytes,
         ahead_blocks=ahead_blocks,
         num_ranks=len(kv_cache_configs),
-        ledger=kv_ledger_options(options, devices),
+        ledger=kv_ledger_options(share_options, devices) if share_options else None,
     )
 
 
 def kv_ledger_options(
-    options: KVVmmOptions, devices: dict[str, int]
+    options: KVDeviceShareOptions, devices: dict[str, int]
 ) -> KVLedgerOptions | None:
     """The ledger part of the policy with ``--kv-cache-vmm-shared``;
     ``devices``: the bytes of one page on each of the engine's devices."""
@@ -346,6 +351,7 @@ def kv_page_policy_for_engine(
     options: KVVmmOptions,
     kv_cache_configs: "list[KVCacheConfig]",
     scheduler_config: "SchedulerConfig | None" = None,
+    share_options: KVDeviceShareOptions | None = None,
 ) -> KVPagePolicy | None:
     """The policy the engine core gives the scheduler and every rank (the
     caller attaches it to each rank's ``KVCacheConfig`` before the workers
@@ -353,7 +359,8 @@ def kv_page_policy_for_engine(
 
     With ``scheduler_config``, the scheduler keeps a step's worth of blocks
     mapped ahead of demand (:func:`kv_step_blocks`); without it, only the
-    headroom."""
+    headroom. ``share_options``: the options of engines sharing a device
+    (``--kv-cache-vmm-shared``), where the engine has them."""
     if options.kv_cache_memory_backend != "vmm":
         return None
     from vllm.platforms import current_platform
@@ -368,7 +375,7 @@ def kv_page_policy_for_engine(
                 for group in kv_cache_configs[0].kv_cache_groups
             ],
         )
-    shared = options.kv_cache_vmm_shared
+    shared = share_options is not None and share_options.kv_cache_vmm_shared
     num_ranks = len(kv_cache_configs)
     device_keys = [HOST_DEVICE_KEY] * num_ranks  # the host backend
     if current_platform.is_cuda():
@@ -384,6 +391,7 @@ def kv_page_policy_for_engine(
         min_chunk_bytes=KV_PAGE_MIN_CHUNK_BYTES if current_platform.is_cuda() else 0,
         ahead_blocks=ahead_blocks,
         device_keys=device_keys,
+        share_options=share_options,
     )
     # Pages are handed out once every rank reported them mapped; a page the
     # device has no memory for is then not available for now (the scheduler
@@ -395,7 +403,7 @@ def kv_page_policy_for_engine(
     status = create_page_status(
         num_pages,
         tag=f"{id(policy):x}",
-        group=options.kv_cache_vmm_shared_group if shared else None,
+        group=policy.ledger.group if policy.ledger is not None else None,
     )
     policy.page_status_path = status.path
     status.close()

@@ -10,14 +10,66 @@ page counters the pool reports are here too.
 """
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-from vllm.v1.kv_vmm.device_share import LEDGER_FULL_READ_INTERVAL_S, DeviceShare
 from vllm.v1.kv_vmm.pages import KVPagePolicy, KVPageStats, kv_page_limit_arguments
 
 logger = init_logger(__name__)
+
+#: How often the pool reads the device ledgers (what is free, its limit).
+LEDGER_READ_INTERVAL_S = 0.05
+#: A ledger nobody wrote since the last read is read again (to drop the
+#: entries of engines that died) this often; between, a ``stat`` shows that
+#: nothing changed. A full read (lock, parse, a /proc look-up per engine)
+#: costs the scheduler about as much as a step's allocations of 30 requests.
+LEDGER_FULL_READ_INTERVAL_S = 1.0
+
+
+class KVPoolShare(Protocol):
+    """What a paged block pool asks of its share of its devices' KV memory
+    with other engines (``KVPagePolicy.ledger``): the entries it keeps in
+    each device's ledger (:class:`vllm.v1.kv_vmm.device_share.DeviceShare`).
+    The pool is given a factory of it (``share_factory``) rather than
+    importing it: a pool of one engine needs no ledger."""
+
+    devices: dict[str, int]
+    """Ledger key -> bytes one page takes on that device."""
+    floor_pages: int
+    """Pages every device's floor covers: an idle pool keeps them."""
+    room_pages: int
+    """Pages the ledgers, as last read, show free for this pool."""
+    limit_pages: int | None
+    """A page limit set in the ledgers from outside (None: none)."""
+    problems: dict[str, str]
+    """Ledgers that cannot be used now (key -> the problem)."""
+    states: dict[str, Any]
+    """Each device's ledger as last read (for the page counters)."""
+    read_at: float
+    """When the pool last read the ledgers (its clock)."""
+
+    def read(self) -> None: ...
+
+    def grow(self, num_pages: int, force: bool) -> int:
+        """Record ``num_pages`` more; returns how many the ledgers grant."""
+        ...
+
+    def shrink(self, num_pages: int) -> None: ...
+
+    def set_limit(self, num_pages: int) -> None: ...
+
+    def largest_device_floor_bytes(self, device_page_bytes: int) -> int:
+        """This engine's floor on the device that holds the most of its KV
+        memory, as the ledger last showed it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+#: Builds a pool's :class:`KVPoolShare` from its policy and the number of
+#: pages it maps at startup.
+KVPoolShareFactory = Callable[[KVPagePolicy, int], KVPoolShare]
 
 
 class PageLimitsMixin:
@@ -27,7 +79,7 @@ class PageLimitsMixin:
     num_pages: int
     free_block_queue: FreeKVCacheBlockQueue
     clock: Callable[[], float]
-    _share: DeviceShare | None
+    _share: KVPoolShare | None
     _idle_since: float | None
     _surplus_since: float | None
     num_pages_mapped_total: int
@@ -217,15 +269,9 @@ class PageLimitsMixin:
     def _device_floor_bytes(self) -> int:
         """With a device ledger, this engine's floor on the device that holds
         the most of its KV memory, as the ledger last showed it (0 without)."""
-        share = self._share
-        if share is None:
+        if self._share is None:
             return 0
-        largest = max(share.devices, key=share.devices.__getitem__)
-        ids = {entry_id for _, entry_id, _ in share.ledgers}
-        for entry in share.states.get(largest, {}).get("entries", []):
-            if entry["id"] in ids:
-                return entry["floor_bytes"]
-        return share.floor_pages * self.policy.device_page_bytes
+        return self._share.largest_device_floor_bytes(self.policy.device_page_bytes)
 
     def page_stats(self) -> dict[str, int]:
         """The page counters :meth:`set_page_limit` returns; byte figures in

@@ -13,42 +13,35 @@ admits no new request into the free blocks beyond it, gives free pages back
 the pressure lasted the preemption delay, has the scheduler preempt its
 newest running requests for the rest (vLLM's own preemption: they are
 recomputed later). The last running request is never preempted.
+
+The engine picks :class:`FairSharePagedBlockPool` for VMM-backed KV memory;
+without a device ledger, or with ``--kv-cache-vmm-share-policy
+first-come``, it acts as :class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool`.
 """
 
 import itertools
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from vllm.logger import init_logger
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.fair_share import ReclaimOptions
-from vllm.v1.kv_vmm.pages import KVPagePolicy, KVShareOptions
+from vllm.v1.kv_vmm.pages import KVShareOptions
+from vllm.v1.kv_vmm.pool_limits import LEDGER_FULL_READ_INTERVAL_S
+from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 
 logger = init_logger(__name__)
 
 
-class FairShareMixin:
-    """Fair-share rules of :class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool`."""
+class FairSharePagedBlockPool(PagedBlockPool):
+    """:class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool` that shares its
+    devices fairly with the other engines of their ledgers once
+    :meth:`set_share_options` selects the fair policy."""
 
-    policy: KVPagePolicy
-    free_block_queue: FreeKVCacheBlockQueue
-    clock: Callable[[], float]
-    _share: DeviceShare | None
-    _num_mapped_blocks: int
-
-    if TYPE_CHECKING:
-
-        @property
-        def _num_held(self) -> int: ...
-
-        def _surplus_pages(self, keep_blocks: int | None = None) -> list[int]: ...
-
-        def _ahead_target(self) -> int: ...
-
-        def _inflight_blocks(self) -> int: ...
-
-        def _unmap(self, pages: Iterable[int]) -> None: ...
+    def __init__(self, *args, **kwargs) -> None:
+        # The base class reads the ledgers (the _share_* hooks) on its way.
+        self._init_fair_share()
+        super().__init__(*args, **kwargs)
 
     def _init_fair_share(self) -> None:
         # The last decision: the effective limit (None: the page limit),
@@ -60,11 +53,14 @@ class FairShareMixin:
         # when they have (the host's monotonic clock).
         self._waiting_blocks = 0
         self._waiting_since: float | None = None
-        self.num_share_reclaimed_pages_total = 0
 
     @property
-    def _fair(self) -> bool:
-        return self._share is not None and bool(self._share.controllers)
+    def _fair_share(self) -> DeviceShare | None:
+        """The devices' ledgers, once the fair policy steps them."""
+        share = self._share
+        if isinstance(share, DeviceShare) and share.controllers:
+            return share
+        return None
 
     @property
     def _page_limit(self) -> int:
@@ -79,17 +75,20 @@ class FairShareMixin:
         """The scheduler's call at startup: with a device ledger and the
         fair policy, share the devices fairly from now on (first come,
         first served before and otherwise)."""
-        if self._share is None or options.kv_cache_vmm_share_policy != "fair":
+        share = self._share
+        if not isinstance(share, DeviceShare) or (
+            options.kv_cache_vmm_share_policy != "fair"
+        ):
             return
         reclaim = ReclaimOptions(
             bytes_per_s=options.kv_cache_vmm_reclaim_bytes_per_s,
             preempt_delay_s=options.kv_cache_vmm_reclaim_preempt_delay,
         )
-        self._share.start_fair_share(options.kv_cache_vmm_share_weight, reclaim)
+        share.start_fair_share(options.kv_cache_vmm_share_weight, reclaim)
         logger.info(
             "KV memory of %s is shared fairly (weight %g, reclaim up to %d bytes "
             "per second, preemption after %.1f s of pressure)",
-            ", ".join(self._share.devices),
+            ", ".join(share.devices),
             options.kv_cache_vmm_share_weight,
             reclaim.bytes_per_s,
             reclaim.preempt_delay_s,
@@ -108,10 +107,12 @@ class FairShareMixin:
             keep = min(keep, max(self._share_limit * bpp - in_use, 0))
         return self._surplus_pages(keep)
 
-    def _step_share(self, now: float) -> None:
+    def _share_ledger_read(self, now: float) -> None:
         """Step the controllers on the ledgers just read."""
-        assert self._share is not None
-        decision = self._share.decide(now, len(self._share_surplus()))
+        share = self._fair_share
+        if share is None:
+            return
+        decision = share.decide(now, len(self._share_surplus()))
         if decision is None:
             self._share_limit, self._share_reclaim = None, 0
             self._share_preempt = False
@@ -121,21 +122,25 @@ class FairShareMixin:
         self._share_reclaim = decision.reclaim_pages
         self._share_preempt = decision.preempt_allowed
 
-    def _give_back_share(self) -> None:
+    def _share_give_back(self) -> None:
         """Unmap free pages the decision asked for (highest first, beyond a
         step's worth of free blocks and the floor, cached prefix blocks on
         them evicted)."""
+        if self._share_reclaim <= 0:
+            return
         pages = self._share_surplus()[: self._share_reclaim]
         if pages:
             self._unmap(pages)
             self._share_reclaim -= len(pages)
             self.num_share_reclaimed_pages_total += len(pages)
 
-    def _publish_demand(self) -> None:
-        assert self._share is not None
+    def _share_publish(self) -> None:
+        share = self._fair_share
+        if share is None:
+            return
         bpp = self.policy.blocks_per_page
         used = self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
-        self._share.publish(
+        share.publish(
             self.clock(),
             -(-max(used, 0) // bpp),
             -(-self._waiting_blocks // bpp),
@@ -155,7 +160,7 @@ class FairShareMixin:
         ``num_groups`` KV cache groups, beyond the free blocks, is what
         this engine waits for (a cheap estimate: prefix cache hits are not
         looked up)."""
-        if not self._fair:
+        if self._fair_share is None:
             return
         need = sum(
             -(-request.num_tokens // block_size) * num_groups
@@ -188,3 +193,18 @@ class FairShareMixin:
         if not self._share_preempt or self._share_reclaim <= 0:
             return 0
         return self._share_reclaim - len(self._share_surplus())
+
+    def _share_step_due_in(self, due: float | None) -> float | None:
+        if self._fair_share is None or not self.idle:
+            return due
+        if self._pages_beyond_floor() <= 0:
+            return due
+        # An idle engine above its floor gives pages back to a waiting
+        # engine below its share at its next ledger read, without waiting
+        # for the shrink delay.
+        self._read_ledger()
+        if self._share_reclaim > 0 and self._share_surplus():
+            return 0.0
+        return min(
+            due if due is not None else float("inf"), LEDGER_FULL_READ_INTERVAL_S
+        )

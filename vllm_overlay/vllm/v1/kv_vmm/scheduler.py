@@ -33,11 +33,14 @@ asked for until a backoff is over: requests wait, or are preempted, as with a
 full KV cache, and proceed once the memory is back. No step ever waits for
 memory.
 
-Sharing a device (``KVPagePolicy.ledger``): the pool records what it maps
-in each device's :class:`KVMemoryLedger` and maps beyond its floor only what
-the ledger shows as free; a limit set there (by the ledger CLI) becomes the
-page limit. Idle, it keeps its floor mapped (reserved for it in the ledger
-anyway), so its next burst does not start by waiting for the driver.
+Sharing a device (``KVPagePolicy.ledger``, with the ``share_factory`` the
+engine gives the pool: :class:`vllm.v1.kv_vmm.device_share.DeviceShare`):
+the pool records what it maps in each device's ledger and maps beyond its
+floor only what the ledger shows as free; a limit set there (by the ledger
+CLI) becomes the page limit. Idle, it keeps its floor mapped (reserved for
+it in the ledger anyway), so its next burst does not start by waiting for
+the driver. A subclass shares the devices by a policy of its own through
+the ``_share_*`` hooks (:mod:`vllm.v1.kv_vmm.pool_share`).
 """
 
 import time
@@ -47,15 +50,15 @@ from vllm.logger import init_logger
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from vllm.v1.kv_cache_compat import notify_blocks_reused
-from vllm.v1.kv_vmm.device_share import (
-    LEDGER_FULL_READ_INTERVAL_S,
-    LEDGER_READ_INTERVAL_S,
-    DeviceShare,
-)
 from vllm.v1.kv_vmm.page_status import KVPageStatus
 from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy, initial_kv_pages
-from vllm.v1.kv_vmm.pool_limits import PageLimitsMixin
-from vllm.v1.kv_vmm.pool_share import FairShareMixin
+from vllm.v1.kv_vmm.pool_limits import (
+    LEDGER_FULL_READ_INTERVAL_S,
+    LEDGER_READ_INTERVAL_S,
+    KVPoolShare,
+    KVPoolShareFactory,
+    PageLimitsMixin,
+)
 
 __all__ = [
     "LEDGER_FULL_READ_INTERVAL_S",
@@ -79,17 +82,26 @@ MAP_RETRY_MAX_S = 5.0
 PAGE_REPORT_WAIT_S = 1.0
 
 
-class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
+class PagedBlockPool(PageLimitsMixin, BlockPool):
     """:class:`BlockPool` whose blocks live on pages mapped on demand.
 
     Args:
         policy: page size, limit, headroom and shrink policy (the same
             object every rank received).
+        share_factory: builds the pool's entries in its devices' ledgers
+            where the policy has them (``policy.ledger``); None: the pool
+            has the device to itself.
         *args, **kwargs: as for :class:`BlockPool`.
 
     """
 
-    def __init__(self, *args, policy: KVPagePolicy, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        policy: KVPagePolicy,
+        share_factory: KVPoolShareFactory | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.policy = policy
         bpp = policy.blocks_per_page
@@ -131,10 +143,17 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
         self._retry_at = float("-inf")
         self._retry_delay = 0.0
         self._denied_logged = False
-        self._share: DeviceShare | None = None
-        self._init_fair_share()
+        # Pages given back to other engines by a sharing policy (subclasses).
+        self.num_share_reclaimed_pages_total = 0
+        self._share: KVPoolShare | None = None
         if policy.ledger is not None:
-            self._share = DeviceShare(policy, len(initial))
+            if share_factory is None:
+                raise ValueError(
+                    "the KV page policy joins device ledgers "
+                    "(--kv-cache-vmm-shared) but the block pool was given no "
+                    "share_factory to join them with"
+                )
+            self._share = share_factory(policy, len(initial))
             self._read_ledger(force=True)
 
     @staticmethod
@@ -158,6 +177,12 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
         return None
 
     # -- accounting ---------------------------------------------------------
+    @property
+    def _page_limit(self) -> int:
+        """Pages the pool may hold now (a sharing policy may hold it to
+        fewer than the page limit)."""
+        return self.policy.max_pages
+
     @property
     def num_mapped_pages(self) -> int:
         return len(self._mapped)
@@ -402,8 +427,7 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
             self.policy.max_pages = limit
             self._shrink_to_limit()
             logger.info("KV page limit set to %d pages from the device ledger", limit)
-        if self._fair:
-            self._step_share(now)
+        self._share_ledger_read(now)
 
     def _free_pages(self) -> list[int]:
         """Mapped pages none of whose blocks is in use, highest id first."""
@@ -425,8 +449,7 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
             self._poll()
         if self._share is not None:
             self._read_ledger()
-        if self._share_reclaim > 0:
-            self._give_back_share()
+        self._share_give_back()
         # Requests waiting for blocks keep the pages they wait for.
         shrink_due_in = None if self._demand_blocks else self._idle_shrink_due_in()
         if self._num_held > policy.max_pages:
@@ -482,8 +505,7 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
                     self._denied_logged = True
             else:
                 self._denied_logged = False
-        if self._fair:
-            self._publish_demand()
+        self._share_publish()
         if not self._pending:
             return None
         ops, self._pending = self._pending, KVPageOps()
@@ -512,17 +534,21 @@ class PagedBlockPool(FairShareMixin, PageLimitsMixin, BlockPool):
         if self._inflight:
             # Check the ranks' reports at the next step.
             return 0.0 if self.idle else None
-        due = self._idle_shrink_due_in()
-        if self._fair and self.idle and self._pages_beyond_floor() > 0:
-            # An idle engine above its floor gives pages back to a waiting
-            # engine below its share at its next ledger read, without
-            # waiting for the shrink delay.
-            self._read_ledger()
-            if self._share_reclaim > 0 and self._share_surplus():
-                return 0.0
-            due = min(
-                due if due is not None else float("inf"), LEDGER_FULL_READ_INTERVAL_S
-            )
+        return self._share_step_due_in(self._idle_shrink_due_in())
+
+    # -- hooks of a sharing policy (vllm.v1.kv_vmm.pool_share) ----------------
+    def _share_ledger_read(self, now: float) -> None:
+        """The device ledgers were just read."""
+
+    def _share_give_back(self) -> None:
+        """At the start of a step's page changes: give pages back to other
+        engines."""
+
+    def _share_publish(self) -> None:
+        """After a step's page changes: publish what this engine needs."""
+
+    def _share_step_due_in(self, due: float | None) -> float | None:
+        """:meth:`page_step_due_in` of an idle shrink due in ``due``."""
         return due
 
     def close(self) -> None:

@@ -5,16 +5,19 @@ its memory request, the shared KV capacity it measures into the device
 ledger, and who holds the device's KV memory (for error messages)."""
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.kv_vmm.pages import (
-    KVVmmOptions,
-)
+from vllm.v1.kv_vmm.pages import KVDeviceShareOptions, KVVmmOptions
+from vllm.v1.kv_vmm.worker import add_memory_report
 
 logger = init_logger(__name__)
+
+
+class KVSharedVmmOptions(KVVmmOptions, KVDeviceShareOptions, Protocol):
+    """The ``CacheConfig`` of an engine that can share its devices."""
 
 
 def device_ledger_key(device: torch.device) -> str:
@@ -54,7 +57,7 @@ def device_ledger_report(device: torch.device) -> str:
     )
 
 
-def _sharing(cache_config: KVVmmOptions) -> bool:
+def _sharing(cache_config: KVSharedVmmOptions) -> bool:
     return (
         cache_config.kv_cache_memory_backend == "vmm"
         and cache_config.kv_cache_vmm_shared
@@ -62,7 +65,7 @@ def _sharing(cache_config: KVVmmOptions) -> bool:
 
 
 def shared_kv_memory_request(
-    init_snapshot: Any, cache_config: KVVmmOptions
+    init_snapshot: Any, cache_config: KVSharedVmmOptions
 ) -> int | None:
     """The worker's memory request with ``--kv-cache-vmm-shared``; None
     without it (vLLM's ``request_memory`` then applies, unchanged).
@@ -94,7 +97,7 @@ def shared_kv_memory_request(
 
 
 def measure_shared_kv_capacity(
-    cache_config: KVVmmOptions,
+    cache_config: KVSharedVmmOptions,
     device: torch.device | None,
     total_bytes: int,
     init_free_bytes: int,
@@ -143,3 +146,7 @@ def measure_shared_kv_capacity(
         non_kv_bytes / (1 << 30),
     )
     return capacity
+
+
+# A rank that cannot map its pages names the engines of the device's ledger.
+add_memory_report(device_ledger_report)

@@ -27,29 +27,33 @@ from vllm.v1.kv_vmm.pages import (
     kv_page_geometry,
     virtual_kv_cache_config,
 )
-from vllm.v1.kv_vmm.shared_device import (
-    device_ledger_key,
-    device_ledger_report,
-    measure_shared_kv_capacity,
-    shared_kv_memory_request,
-)
 
 __all__ = [
     "KVPageMapper",
     "allocate_vmm_kv_cache",
     "allocate_vmm_kv_tensors",
     "attention_kv_regions",
+    "add_memory_report",
     "attention_layer_regions",
-    "device_ledger_key",
-    "device_ledger_report",
     "kv_tensor_regions",
     "make_vmm_backend",
     "map_kv_pages_ahead",
-    "measure_shared_kv_capacity",
-    "shared_kv_memory_request",
 ]
 
 logger = init_logger(__name__)
+
+#: Sentences about who else holds a device's memory, for the error of a rank
+#: that cannot map pages (engines sharing a device add the engines of the
+#: device's ledger: vllm.v1.kv_vmm.shared_device).
+_memory_reports: list[Callable[[torch.device], str]] = []
+
+
+def add_memory_report(report: Callable[[torch.device], str]) -> None:
+    """Add ``report`` (a sentence about ``device``) to the error messages of a
+    rank that cannot map KV pages."""
+    if report not in _memory_reports:
+        _memory_reports.append(report)
+
 
 #: Startup: how long the pages every rank maps before the first step (the
 #: null block's page and a step's worth ahead, ``initial_kv_pages``) are
@@ -390,11 +394,12 @@ class KVPageMapper:
         )
 
     def _memory_report(self) -> str:
-        """What the backend can tell about its memory, and the engines the
-        device's ledger lists (for error messages)."""
+        """What the backend can tell about its memory, and what the reports
+        of :func:`add_memory_report` add (for error messages)."""
         backend = self.table.backend
         report = backend.memory_report() or f"{backend.device}: no memory figures"
-        return f"{report}. {device_ledger_report(backend.device)}"
+        others = " ".join(add(backend.device) for add in _memory_reports)
+        return f"{report}. {others}" if others else f"{report}."
 
     def _log_failure(self, what: str, pages: list[int], error: Exception) -> None:
         if not self._failure_logged:
