@@ -251,12 +251,12 @@ def test_a_weight_set_through_the_cli_moves_the_shares(ledger_base, capsys):
     wait_for(b, 40)
     step(a, clock)
     step(b, clock)
-    assert a._share.decision.share_bytes == b._share.decision.share_bytes == 8 * PAGE
+    assert a._fair.decision.share_bytes == b._fair.decision.share_bytes == 8 * PAGE
     assert ledger_cli(["set", "a", "--key", "host", "--weight", "3"]) == 0
     step(a, clock)
     step(b, clock)
-    assert a._share.decision.share_bytes == 12 * PAGE
-    assert b._share.decision.share_bytes == 4 * PAGE
+    assert a._fair.decision.share_bytes == 12 * PAGE
+    assert b._fair.decision.share_bytes == 4 * PAGE
     assert ledger_cli(["list", "--json"]) == 0
     (doc,) = json.loads(capsys.readouterr().out)
     shares = {e["name"]: (e["weight"], e["share_bytes"]) for e in doc["entries"]}

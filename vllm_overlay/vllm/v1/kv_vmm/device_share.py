@@ -5,9 +5,9 @@
 With ``--kv-cache-vmm-shared`` the pool records what it maps in each
 device's :class:`KVMemoryLedger` and reads there what it may map beyond
 its floor and the limit set from outside (the ledger CLI); see
-:mod:`vllm.v1.kv_vmm.scheduler`. With the fair share
-(``--kv-cache-vmm-share-policy fair``) it also publishes its demand and
-steps a :class:`FairShareController` per device on what it read.
+:mod:`vllm.v1.kv_vmm.scheduler`. The fair share
+(:mod:`vllm.v1.kv_vmm.pool_share`) writes the engine's demand through
+:meth:`DeviceShare.update` and reads the ledgers this object read.
 """
 
 import time
@@ -16,11 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
-from vllm.v1.kv_vmm.fair_share import (
-    FairShareController,
-    ReclaimOptions,
-    ShareDecision,
-)
 from vllm.v1.kv_vmm.ledger import (
     KVMemoryLedger,
     LedgerError,
@@ -28,10 +23,7 @@ from vllm.v1.kv_vmm.ledger import (
     stamp_is_settled,
 )
 from vllm.v1.kv_vmm.pages import KVPagePolicy
-from vllm.v1.kv_vmm.pool_limits import (
-    LEDGER_FULL_READ_INTERVAL_S,
-    LEDGER_READ_INTERVAL_S,
-)
+from vllm.v1.kv_vmm.pool_limits import LEDGER_FULL_READ_INTERVAL_S
 
 logger = init_logger(__name__)
 
@@ -68,13 +60,11 @@ class DeviceShare:
         self.mapped_pages = initial_pages
         self.room_pages = 0
         self.limit_pages: int | None = None
-        # The fair share: weight, one controller per device (none: first
-        # come, first served), what was last published, the last decision.
+        # The engine's fair-share weight as the ledgers show it (the ledger
+        # CLI may change it), and whether the states read carry each
+        # engine's fair share (set by the fair share, for its metrics).
         self.weight = 1.0
-        self.controllers: list[FairShareController] = []
-        self.published: tuple[int, int, bool] | None = None
-        self.published_at = float("-inf")
-        self.decision: ShareDecision | None = None
+        self.report_shares = False
         self.parsed: dict[str, LedgerState] = {}
         self.ledgers: list[tuple[KVMemoryLedger, str, int]] = []
         for (key, page_bytes), floor in zip(self.devices.items(), floors):
@@ -207,7 +197,7 @@ class DeviceShare:
             read_any = True
             # With the fair policy, each engine's share too (the metrics).
             self.states[ledger.key] = (
-                state.report() if self.controllers else state.to_json()
+                state.report() if self.report_shares else state.to_json()
             )
             self.parsed[ledger.key] = state
             self.weight = entry.weight
@@ -280,77 +270,14 @@ class DeviceShare:
     def close(self) -> None:
         self._finalizer()
 
-    # -- the fair share ------------------------------------------------------
-    def start_fair_share(self, weight: float, reclaim: ReclaimOptions) -> None:
-        """Share the devices fairly (weighted max-min) from now on."""
-        self.weight = weight
-        self._update_all(weight=weight)
-        self.controllers = [
-            FairShareController(entry_id, page_bytes, reclaim)
-            for _, entry_id, page_bytes in self.ledgers
-        ]
-
-    def _update_all(self, **fields: Any) -> None:
-        for ledger, entry_id, _ in self.ledgers:
-            try:
-                ledger.update(entry_id, **fields)
-            except LedgerError as e:
-                self._failed(ledger, e)
-
-    def decide(self, now: float, free_pages: int) -> ShareDecision | None:
-        """Step every device's controller on the ledgers as last read: the
-        smallest effective limit, the largest reclaim, preemption where any
-        device allows it; the share on the device of the largest page.
-        None without the fair share or a ledger read yet."""
-        decisions: list[tuple[int, ShareDecision]] = []
-        for (ledger, entry_id, page_bytes), controller in zip(
-            self.ledgers, self.controllers
-        ):
-            state = self.parsed.get(ledger.key)
-            if state is None or ledger.key in self.problems:
-                continue
-            controller.entry_id = entry_id  # joined again meanwhile
-            engines = [e.demand() for e in state.entries]
-            decision = controller.step(
-                now, state.capacity_bytes, engines, self.mapped_pages, free_pages
-            )
-            decisions.append((page_bytes, decision))
-        if not decisions:
-            self.decision = None
-            return None
-        self.decision = ShareDecision(
-            effective_limit_pages=min(d.effective_limit_pages for _, d in decisions),
-            reclaim_pages=max(d.reclaim_pages for _, d in decisions),
-            preempt_allowed=any(d.preempt_allowed for _, d in decisions),
-            share_bytes=max(decisions, key=lambda d: d[0])[1].share_bytes,
-        )
-        return self.decision
-
-    def publish(
-        self,
-        now: float,
-        used_pages: int,
-        waiting_pages: int,
-        waiting_since: float | None,
-    ) -> None:
-        """Write the engine's demand to its ledgers when it changed by a
-        page or its wait began or ended, at most every
-        :data:`LEDGER_READ_INTERVAL_S` (each write makes every other engine
-        read the file in full)."""
-        current = (used_pages, waiting_pages, waiting_since is not None)
-        if current == self.published:
-            return
-        if 0 <= now - self.published_at < LEDGER_READ_INTERVAL_S:
-            return
-        self.published, self.published_at = current, now
+    def update(self, fields_of: Callable[[int], dict[str, Any]]) -> None:
+        """Write fields of this engine's entry in every ledger:
+        ``fields_of(page_bytes)``, those of a device whose page takes
+        ``page_bytes``. A ledger that cannot be used is noted as such (see
+        the class docstring)."""
         for ledger, entry_id, page_bytes in self.ledgers:
             try:
-                ledger.update(
-                    entry_id,
-                    used_bytes=used_pages * page_bytes,
-                    waiting_bytes=waiting_pages * page_bytes,
-                    waiting_since=waiting_since,
-                )
+                ledger.update(entry_id, **fields_of(page_bytes))
             except LedgerError as e:
                 self._failed(ledger, e)
 

@@ -21,7 +21,7 @@ are proportional to it), applied at the engines' next ledger read.
 ``list`` shows per engine what it maps, its floor and limit, its demand
 (pages with a block in use plus what its waiting requests need), how long
 its requests have waited for KV memory, its weight and its fair share of
-the capacity now (``vllm.v1.kv_vmm.fair_share.fair_shares`` of the
+the capacity now (``vllm.v1.kv_vmm.shares.fair_shares`` of the
 entries; engines of ``--kv-cache-vmm-share-policy first-come`` are
 shown with it too, but do not act on it).
 

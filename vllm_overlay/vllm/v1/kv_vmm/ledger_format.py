@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm.v1.kv_vmm.fair_share import EngineDemand, fair_shares
+from vllm.v1.kv_vmm.shares import EngineDemand, fair_shares
 
 #: The ledger's format; another number is refused (an engine of another
 #: version of this code on the same device). Fields a later version adds
@@ -49,7 +49,7 @@ class LedgerEntry:
     limit_bytes: int | None = None
     """None: no cap but the capacity."""
     updated: float = field(default_factory=time.time)
-    # What the fair share (vllm.v1.kv_vmm.fair_share) reads; an entry
+    # What the fair share (vllm.v1.kv_vmm.shares) reads; an entry
     # without these fields (an engine of an older version) reads as below.
     used_bytes: int | None = None
     """Pages with a block in use, in bytes; None: ``mapped_bytes``."""

@@ -25,12 +25,96 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.kv_vmm.device_share import DeviceShare
-from vllm.v1.kv_vmm.fair_share import ReclaimOptions
+from vllm.v1.kv_vmm.fair_share import (
+    FairShareController,
+    ReclaimOptions,
+    ShareDecision,
+)
 from vllm.v1.kv_vmm.pages import KVShareOptions
-from vllm.v1.kv_vmm.pool_limits import LEDGER_FULL_READ_INTERVAL_S
+from vllm.v1.kv_vmm.pool_limits import (
+    LEDGER_FULL_READ_INTERVAL_S,
+    LEDGER_READ_INTERVAL_S,
+)
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 
 logger = init_logger(__name__)
+
+
+class DeviceFairShare:
+    """The fair share of a pool's devices: one :class:`FairShareController`
+    per device ledger of its :class:`DeviceShare`, what the pool last
+    published there and the last decision."""
+
+    def __init__(
+        self, share: DeviceShare, weight: float, reclaim: ReclaimOptions
+    ) -> None:
+        self.share = share
+        share.weight = weight
+        share.update(lambda page_bytes: {"weight": weight})
+        # The states the pool reads carry each engine's share (the metrics).
+        share.report_shares = True
+        self.controllers = [
+            FairShareController(entry_id, page_bytes, reclaim)
+            for _, entry_id, page_bytes in share.ledgers
+        ]
+        self.published: tuple[int, int, bool] | None = None
+        self.published_at = float("-inf")
+        self.decision: ShareDecision | None = None
+
+    def decide(self, now: float, free_pages: int) -> ShareDecision | None:
+        """Step every device's controller on the ledgers as last read: the
+        smallest effective limit, the largest reclaim, preemption where any
+        device allows it; the share on the device of the largest page.
+        None without a ledger read yet."""
+        share = self.share
+        decisions: list[tuple[int, ShareDecision]] = []
+        for (ledger, entry_id, page_bytes), controller in zip(
+            share.ledgers, self.controllers
+        ):
+            state = share.parsed.get(ledger.key)
+            if state is None or ledger.key in share.problems:
+                continue
+            controller.entry_id = entry_id  # joined again meanwhile
+            engines = [e.demand() for e in state.entries]
+            decision = controller.step(
+                now, state.capacity_bytes, engines, share.mapped_pages, free_pages
+            )
+            decisions.append((page_bytes, decision))
+        if not decisions:
+            self.decision = None
+            return None
+        self.decision = ShareDecision(
+            effective_limit_pages=min(d.effective_limit_pages for _, d in decisions),
+            reclaim_pages=max(d.reclaim_pages for _, d in decisions),
+            preempt_allowed=any(d.preempt_allowed for _, d in decisions),
+            share_bytes=max(decisions, key=lambda d: d[0])[1].share_bytes,
+        )
+        return self.decision
+
+    def publish(
+        self,
+        now: float,
+        used_pages: int,
+        waiting_pages: int,
+        waiting_since: float | None,
+    ) -> None:
+        """Write the engine's demand to its ledgers when it changed by a
+        page or its wait began or ended, at most every
+        :data:`LEDGER_READ_INTERVAL_S` (each write makes every other engine
+        read the file in full)."""
+        current = (used_pages, waiting_pages, waiting_since is not None)
+        if current == self.published:
+            return
+        if 0 <= now - self.published_at < LEDGER_READ_INTERVAL_S:
+            return
+        self.published, self.published_at = current, now
+        self.share.update(
+            lambda page_bytes: {
+                "used_bytes": used_pages * page_bytes,
+                "waiting_bytes": waiting_pages * page_bytes,
+                "waiting_since": waiting_since,
+            }
+        )
 
 
 class FairSharePagedBlockPool(PagedBlockPool):
@@ -44,6 +128,8 @@ class FairSharePagedBlockPool(PagedBlockPool):
         super().__init__(*args, **kwargs)
 
     def _init_fair_share(self) -> None:
+        # The fair share of the devices, once set_share_options started it.
+        self._fair: DeviceFairShare | None = None
         # The last decision: the effective limit (None: the page limit),
         # pages still to give back, whether preempting for them is allowed.
         self._share_limit: int | None = None
@@ -53,14 +139,6 @@ class FairSharePagedBlockPool(PagedBlockPool):
         # when they have (the host's monotonic clock).
         self._waiting_blocks = 0
         self._waiting_since: float | None = None
-
-    @property
-    def _fair_share(self) -> DeviceShare | None:
-        """The devices' ledgers, once the fair policy steps them."""
-        share = self._share
-        if isinstance(share, DeviceShare) and share.controllers:
-            return share
-        return None
 
     @property
     def _page_limit(self) -> int:
@@ -84,7 +162,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
             bytes_per_s=options.kv_cache_vmm_reclaim_bytes_per_s,
             preempt_delay_s=options.kv_cache_vmm_reclaim_preempt_delay,
         )
-        share.start_fair_share(options.kv_cache_vmm_share_weight, reclaim)
+        self._fair = DeviceFairShare(share, options.kv_cache_vmm_share_weight, reclaim)
         logger.info(
             "KV memory of %s is shared fairly (weight %g, reclaim up to %d bytes "
             "per second, preemption after %.1f s of pressure)",
@@ -109,10 +187,9 @@ class FairSharePagedBlockPool(PagedBlockPool):
 
     def _share_ledger_read(self, now: float) -> None:
         """Step the controllers on the ledgers just read."""
-        share = self._fair_share
-        if share is None:
+        if self._fair is None:
             return
-        decision = share.decide(now, len(self._share_surplus()))
+        decision = self._fair.decide(now, len(self._share_surplus()))
         if decision is None:
             self._share_limit, self._share_reclaim = None, 0
             self._share_preempt = False
@@ -135,12 +212,11 @@ class FairSharePagedBlockPool(PagedBlockPool):
             self.num_share_reclaimed_pages_total += len(pages)
 
     def _share_publish(self) -> None:
-        share = self._fair_share
-        if share is None:
+        if self._fair is None:
             return
         bpp = self.policy.blocks_per_page
         used = self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
-        share.publish(
+        self._fair.publish(
             self.clock(),
             -(-max(used, 0) // bpp),
             -(-self._waiting_blocks // bpp),
@@ -160,7 +236,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         ``num_groups`` KV cache groups, beyond the free blocks, is what
         this engine waits for (a cheap estimate: prefix cache hits are not
         looked up)."""
-        if self._fair_share is None:
+        if self._fair is None:
             return
         need = sum(
             -(-request.num_tokens // block_size) * num_groups
@@ -195,7 +271,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         return self._share_reclaim - len(self._share_surplus())
 
     def _share_step_due_in(self, due: float | None) -> float | None:
-        if self._fair_share is None or not self.idle:
+        if self._fair is None or not self.idle:
             return due
         if self._pages_beyond_floor() <= 0:
             return due
