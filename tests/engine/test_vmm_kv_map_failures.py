@@ -208,10 +208,9 @@ def test_no_memory_at_startup_fails_the_engine_naming_the_memory(tmp_path, kv_mo
     assert "--max-num-batched-tokens" in output
 
 
-# TP=2 (ranks that fail different pages) is the slow tier's: two TP=2 engines one after the
-# other take CI's two cores longer than the rest of this file.
-@pytest.mark.parametrize(
-    "tp", ["tp1", pytest.param("tp2", marks=[TWO_CORES, pytest.mark.slow])])
+# TP=2: ranks that fail different pages (two TP=2 engines one after the other: about 130 s on
+# two cores).
+@pytest.mark.parametrize("tp", ["tp1", pytest.param("tp2", marks=TWO_CORES)])
 def test_requests_wait_for_memory_and_complete_with_the_same_tokens(tmp_path, kv_model, tp):
     returncode, output = _run(tmp_path, kv_model, int(tp[2:]), "serve", rate=0.0)
     assert returncode == 0, output[-6000:]
