@@ -53,9 +53,10 @@ def enable_peer_access() -> None:
 
 
 def pieces_on_device(cc, runs: np.ndarray, base: torch.Tensor, piece_bytes: int):
-    rows = cc.split_runs(runs, piece_bytes)
-    words = rows.view(np.int64) - np.array([base.data_ptr(), base.data_ptr(), 0], np.int64)
-    return torch.from_numpy(words >> 3).to(base.device)
+    """The kernel's rows of ``runs`` cut into pieces of ``piece_bytes`` (at most the
+    module's own piece size, so ``kernel_pieces`` cuts no further), on the device."""
+    rows = cc.kernel_pieces(cc.split_runs(runs, piece_bytes), base.data_ptr())
+    return torch.from_numpy(rows).to(base.device)
 
 
 def sweep(cc, name: str, base: torch.Tensor, rng) -> list[dict]:

@@ -79,11 +79,16 @@ def _copy_runs_kernel(base_ptr, pieces_ptr, num_pieces, WORDS_PER_ITER: tl.const
             tl.store(base_ptr + dst + offs, words, mask=mask)
 
 
+def _piece_counts(runs: np.ndarray, piece_bytes: int) -> np.ndarray:
+    """How many pieces of at most ``piece_bytes`` each run is cut into."""
+    lengths = runs[:, 2].astype(np.int64)
+    return np.maximum((lengths + piece_bytes - 1) // piece_bytes, 1)
+
+
 def split_runs(runs: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
     """``(dst, src, n)`` runs cut into pieces of at most ``piece_bytes``."""
     runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
-    lengths = runs[:, 2].astype(np.int64)
-    counts = np.maximum((lengths + piece_bytes - 1) // piece_bytes, 1)
+    counts = _piece_counts(runs, piece_bytes)
     owner = np.repeat(np.arange(len(runs)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     offset = ((np.arange(int(counts.sum())) - first) * piece_bytes).astype(np.uint64)
@@ -116,10 +121,9 @@ def kernel_pieces(
 
 def num_pieces(runs: np.ndarray) -> int:
     """How many rows :func:`kernel_pieces` makes of ``runs``."""
-    lengths = runs[:, 2].astype(np.int64)
-    if not len(lengths) or int(lengths.max()) <= PIECE_BYTES:
-        return len(lengths)
-    return int(np.maximum((lengths + PIECE_BYTES - 1) // PIECE_BYTES, 1).sum())
+    if not len(runs) or int(runs[:, 2].max()) <= PIECE_BYTES:
+        return len(runs)
+    return int(_piece_counts(runs, PIECE_BYTES).sum())
 
 
 @dataclass
