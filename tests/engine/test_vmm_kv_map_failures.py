@@ -52,6 +52,11 @@ ENGINE_SCRIPT = textwrap.dedent(
         return (1 + mapper.policy.headroom_pages) * mapper.page_bytes
 
 
+    def mapped_blocks(worker):
+        mapper = worker.model_runner.kv_page_mapper
+        return mapper.mapped_bytes // mapper.page_bytes * mapper.policy.blocks_per_page
+
+
     def map_failures(worker):
         return worker.model_runner.kv_page_mapper.stats()["kv_map_failures_total"]
 
@@ -64,7 +69,8 @@ ENGINE_SCRIPT = textwrap.dedent(
                    kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=8192,
                    enable_prefix_caching=False, tensor_parallel_size=args["tp"],
                    distributed_executor_backend="mp", kv_cache_memory_backend=backend,
-                   **({"kv_cache_vmm_shrink_delay": 0} if backend == "vmm" else {}))
+                   **({"kv_cache_vmm_shrink_delay": 0, "kv_cache_vmm_headroom_pages": 0}
+                      if backend == "vmm" else {}))
 
 
     def generate(llm, prompts):
@@ -94,6 +100,12 @@ ENGINE_SCRIPT = textwrap.dedent(
         engine = llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"],
                                 detokenize=False)
+        # The premise, on every rank's geometry: the short requests fit the idle engine's
+        # mapped blocks (less the null block), the long one does not.
+        block_size = engine.vllm_config.cache_config.block_size
+        free = min(llm.collective_rpc(mapped_blocks)) - 1
+        need = [-(-(len(p) + args["max_tokens"]) // block_size) for p in prompts]
+        assert max(need[:-1]) <= free < need[-1], (free, need)
         set_rate(rate_file, 1.0)
         failures = sum(llm.collective_rpc(map_failures))
         ids, finished_at, restored = {}, {}, {}
@@ -155,8 +167,9 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 def _prompts() -> list[list[int]]:
     # 8 prompts of 600 tokens (5 blocks of 128 tokens each), then one of 4000 (32 blocks): an
-    # idle engine keeps 31 blocks mapped (the null block's page and one headroom page of 16),
-    # so without new pages the short ones run, a few at a time, and the long one cannot.
+    # idle engine without headroom keeps only the null block's page mapped (16 blocks a page at
+    # TP=1, 32 at TP=2: each rank's page holds the same bytes of half the heads), so without new
+    # pages the short ones run, a few at a time, and the long one cannot (checked in the run).
     short = [[(7 * i + 3 * j) % 4000 + 1 for j in range(600)] for i in range(8)]
     return [*short, [(11 * j) % 4000 + 1 for j in range(4000)]]
 

@@ -269,8 +269,10 @@ class SameHostReads:
         connect_timeout_s: how long opening a channel may take.
         retry_after_s: a channel that timed out (a busy producer) is tried
             again, in the background, by the first read from the peer this
-            long after; one refused for good (no listener, another host or
-            user, a failed proof) is not.
+            long after, then after twice as long each time it times out
+            again, up to ``retry_max_s``; one refused for good (no listener,
+            another host or user, a failed proof) is not.
+        retry_max_s: the longest wait between two tries of a channel.
         quiet_if_absent: a peer with no channel at all (it offers none, or
             is on another host) is logged at debug level only: a reader
             with stock KV tensors asks every peer.
@@ -283,7 +285,8 @@ class SameHostReads:
     address_of: Callable[[str], str] = channel.channel_address
     identity: tuple[str, str] | None = None
     connect_timeout_s: float = channel.CONNECT_TIMEOUT_S
-    retry_after_s: float = 30.0
+    retry_after_s: float = 1.0
+    retry_max_s: float = 30.0
     quiet_if_absent: bool = False
 
     def __post_init__(self) -> None:
@@ -292,6 +295,8 @@ class SameHostReads:
         self._importers: dict[str, ChunkImporter] = {}
         # Peer -> (why its channel is not open, when a retry is due or None).
         self._unavailable: dict[str, tuple[SameHostUnavailable, float | None]] = {}
+        # Peer -> the wait before its next retry (doubles per timeout).
+        self._retry_delay: dict[str, float] = {}
         self._retrying: set[str] = set()
 
     def offer(self, agent_name: str | bytes, secret: bytes) -> bool:
@@ -333,13 +338,17 @@ class SameHostReads:
         with self._lock:
             self._importers[agent_name] = importer
             self._unavailable.pop(agent_name, None)
+            self._retry_delay.pop(agent_name, None)
         logger.info("KV reads from %s use the same-host path", agent_name)
         return True
 
     def _unavailable_now(self, agent_name: str, error: SameHostUnavailable) -> None:
-        timed_out = error.reason == Fallback.TIMEOUT
-        retry = time.monotonic() + self.retry_after_s if timed_out else None
+        retry = None
         with self._lock:
+            if error.reason == Fallback.TIMEOUT:
+                delay = self._retry_delay.get(agent_name, self.retry_after_s)
+                self._retry_delay[agent_name] = min(2 * delay, self.retry_max_s)
+                retry = time.monotonic() + delay
             self._unavailable[agent_name] = (error, retry)
         STATS.fallback(agent_name, error.reason, error, quiet=self._quiet(error.reason))
 
@@ -382,6 +391,7 @@ class SameHostReads:
             importer = self._importers.pop(agent_name, None)
             self._secrets.pop(agent_name, None)
             self._unavailable.pop(agent_name, None)
+            self._retry_delay.pop(agent_name, None)
         if importer is not None:
             importer.close()
 
