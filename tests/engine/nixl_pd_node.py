@@ -73,7 +73,7 @@ def _nixl_metrics(llm) -> dict[str, float]:
     return out
 
 
-def _waves(n: int) -> list[tuple[int, int]]:
+def waves(n: int) -> list[tuple[int, int]]:
     """Prompts go in two waves: the second is prefilled after the decode instance
     read the first (so after the handshake) and needs more KV pages on both."""
     half = max(1, n // 2)
@@ -161,7 +161,7 @@ def main() -> None:
         elif args.role == "prefill":
             _wait_for(args.dir / "decode.ready", timeout=600)
             out["token_ids"] = []
-            for wave, (lo, hi) in enumerate(_waves(len(prompts))):
+            for wave, (lo, hi) in enumerate(waves(len(prompts))):
                 params = [
                     SamplingParams(
                         temperature=0.0, max_tokens=1, detokenize=False,
@@ -180,7 +180,7 @@ def main() -> None:
                 _wait_for(args.dir / f"decode{wave}.done", timeout=600)
         else:
             out["token_ids"] = []
-            for wave, (lo, hi) in enumerate(_waves(len(prompts))):
+            for wave, (lo, hi) in enumerate(waves(len(prompts))):
                 _wait_for(args.dir / f"params{wave}.json", timeout=600)
                 transfer = json.loads((args.dir / f"params{wave}.json").read_text())
                 params = [

@@ -35,7 +35,7 @@ def _gpu_count() -> int:
 
 
 def _prompts() -> list[list[int]]:
-    """Two waves (see nixl_pd_node._waves). The second (4 x 4000 tokens: 1000 blocks of 16
+    """Two waves (see nixl_pd_node.waves). The second (4 x 4000 tokens: 1000 blocks of 16
     tokens) is prefilled after the decode instance's handshake and needs more than the
     first wave left mapped (129 blocks in use, pages of 256 blocks of this model): the
     prefill instance maps and registers segments the decode instance has not seen yet."""

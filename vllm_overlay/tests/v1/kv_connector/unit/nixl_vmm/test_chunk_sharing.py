@@ -294,13 +294,13 @@ def test_a_channel_that_cannot_open_falls_back_with_the_reason(
 
 def test_a_channel_that_timed_out_is_opened_again_later(caplog):
     """A producer too busy to answer in time: reads go through NIXL, and the
-    first read after ``retry_after_s`` opens the channel in the background;
-    each further timeout doubles the wait, up to ``retry_max_s``."""
+    channel is tried again in the background ``retry_after_s`` later, then
+    after twice as long per further timeout (up to ``retry_max_s``)."""
     name, secret = f"p-{uuid.uuid4()}", channel.new_secret()
     busy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     busy.bind(channel.channel_address(name))
     busy.listen(4)  # never accepts: the connect succeeds, no answer comes
-    reads = Reader(connect_timeout_s=0.3, retry_after_s=0.5, retry_max_s=0.8)
+    reads = Reader(connect_timeout_s=0.3, retry_after_s=0.4, retry_max_s=1.0)
     backend, table = make_table()
     table.map_pages([0])
     dst = np.zeros(BLOCK, dtype=np.uint8)
@@ -311,29 +311,25 @@ def test_a_channel_that_timed_out_is_opened_again_later(caplog):
         with caplog.at_level("WARNING"):
             assert not reads.offer(name, secret)
         assert "(timeout)" in caplog.text
-        # Still busy at the retry: the next wait is twice as long (at most 0.8 s).
-        time.sleep(0.5)
-        assert reads.make_read(name, local, remote, b"", Notifs()) is None  # starts it
-        wait_until(
-            lambda: reads._unavailable[name][1] is not None
-            and reads._unavailable[name][1] - time.monotonic() > 0.5
-        )
+        assert reads.make_read(name, local, remote, b"", Notifs()) is None
+        # Tried again 0.4 s later (timing out at 0.7 s), then 0.8 s after that.
+        start = time.monotonic()
+        wait_until(lambda: not reads.retry_due(name))  # the retry runs
+        wait_until(lambda: reads.retry_due(name))  # it timed out again
         busy.close()
         exporter = ChunkExporter(name, secret)
         exporter.attach(table)
-        # Not due yet: no retry.
-        assert reads.make_read(name, local, remote, b"", Notifs()) is None
-        time.sleep(0.2)
-        assert reads.importer(name) is None
-        time.sleep(0.7)
-        assert reads.make_read(name, local, remote, b"", Notifs()) is None  # starts it
+        time.sleep(max(0.0, start + 1.2 - time.monotonic()))
+        assert reads.importer(name) is None  # not due yet
         wait_until(lambda: reads.importer(name) is not None)
+        assert time.monotonic() - start >= 1.4
         wait_until(lambda: reads.importer(name).num_mapped == 1)
         xfer = reads.make_read(name, local, remote, b"", Notifs())
         assert xfer is not None
         xfer.release()
         # A peer without a listener is not retried.
         assert not reads.offer(f"absent-{uuid.uuid4()}", secret)
+        assert not reads.retry_due(f"absent-{uuid.uuid4()}")
     finally:
         busy.close()
         reads.close()

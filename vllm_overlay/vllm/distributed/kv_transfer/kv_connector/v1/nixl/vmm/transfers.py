@@ -268,10 +268,10 @@ class SameHostReads:
         identity: our ``(boot id, hostname)`` (tests).
         connect_timeout_s: how long opening a channel may take.
         retry_after_s: a channel that timed out (a busy producer) is tried
-            again, in the background, by the first read from the peer this
-            long after, then after twice as long each time it times out
-            again, up to ``retry_max_s``; one refused for good (no listener,
-            another host or user, a failed proof) is not.
+            again in the background this long after, then after twice as
+            long each time it times out again, up to ``retry_max_s``, until
+            it opens or the peer is disconnected; one refused for good (no
+            listener, another host or user, a failed proof) is not.
         retry_max_s: the longest wait between two tries of a channel.
         quiet_if_absent: a peer with no channel at all (it offers none, or
             is on another host) is logged at debug level only: a reader
@@ -293,11 +293,13 @@ class SameHostReads:
         self._lock = threading.Lock()
         self._secrets: dict[str, bytes] = {}
         self._importers: dict[str, ChunkImporter] = {}
-        # Peer -> (why its channel is not open, when a retry is due or None).
-        self._unavailable: dict[str, tuple[SameHostUnavailable, float | None]] = {}
-        # Peer -> the wait before its next retry (doubles per timeout).
+        # Peer -> why its channel is not open.
+        self._unavailable: dict[str, SameHostUnavailable] = {}
+        # Peer -> the wait before its next retry (doubles per timeout), and
+        # the timer of the retry due.
         self._retry_delay: dict[str, float] = {}
-        self._retrying: set[str] = set()
+        self._timers: dict[str, threading.Timer] = {}
+        self._closed = False
 
     def offer(self, agent_name: str | bytes, secret: bytes) -> bool:
         """A NIXL handshake with ``agent_name`` brought its same-host
@@ -336,20 +338,27 @@ class SameHostReads:
             self._unavailable_now(agent_name, e)
             return False
         with self._lock:
-            self._importers[agent_name] = importer
-            self._unavailable.pop(agent_name, None)
-            self._retry_delay.pop(agent_name, None)
+            closed = self._closed
+            if not closed:
+                self._importers[agent_name] = importer
+                self._unavailable.pop(agent_name, None)
+                self._retry_delay.pop(agent_name, None)
+        if closed:
+            importer.close()
+            return False
         logger.info("KV reads from %s use the same-host path", agent_name)
         return True
 
     def _unavailable_now(self, agent_name: str, error: SameHostUnavailable) -> None:
-        retry = None
         with self._lock:
-            if error.reason == Fallback.TIMEOUT:
+            self._unavailable[agent_name] = error
+            if error.reason == Fallback.TIMEOUT and not self._closed:
                 delay = self._retry_delay.get(agent_name, self.retry_after_s)
                 self._retry_delay[agent_name] = min(2 * delay, self.retry_max_s)
-                retry = time.monotonic() + delay
-            self._unavailable[agent_name] = (error, retry)
+                timer = threading.Timer(delay, self._retry, (agent_name,))
+                timer.name, timer.daemon = "kv-vmm-same-host-retry", True
+                self._timers[agent_name] = timer
+                timer.start()
         STATS.fallback(agent_name, error.reason, error, quiet=self._quiet(error.reason))
 
     def has_channel(self, agent_name: str | bytes) -> bool:
@@ -357,29 +366,18 @@ class SameHostReads:
         importer = self.importer(agent_name)
         return importer is not None and importer.alive
 
-    def _retry_if_due(self, agent_name: str) -> None:
-        """Open a channel that timed out again, in the background."""
+    def _retry(self, agent_name: str) -> None:
+        """A timed-out channel's retry, in its timer's thread (nothing if the
+        peer was disconnected or we closed meanwhile)."""
         with self._lock:
-            failed = self._unavailable.get(agent_name)
-            if (
-                failed is None
-                or failed[1] is None
-                or time.monotonic() < failed[1]
-                or agent_name in self._retrying
-            ):
+            if self._closed or self._timers.pop(agent_name, None) is None:
                 return
-            self._retrying.add(agent_name)
+        self._connect(agent_name)
 
-        def retry() -> None:
-            try:
-                self._connect(agent_name)
-            finally:
-                with self._lock:
-                    self._retrying.discard(agent_name)
-
-        threading.Thread(
-            target=retry, name="kv-vmm-same-host-retry", daemon=True
-        ).start()
+    def retry_due(self, agent_name: str | bytes) -> bool:
+        """Whether a channel that timed out will be tried again."""
+        with self._lock:
+            return os.fsdecode(agent_name) in self._timers
 
     def importer(self, agent_name: str | bytes) -> ChunkImporter | None:
         with self._lock:
@@ -392,6 +390,9 @@ class SameHostReads:
             self._secrets.pop(agent_name, None)
             self._unavailable.pop(agent_name, None)
             self._retry_delay.pop(agent_name, None)
+            timer = self._timers.pop(agent_name, None)
+        if timer is not None:
+            timer.cancel()
         if importer is not None:
             importer.close()
 
@@ -449,13 +450,12 @@ class SameHostReads:
             reason = Fallback.CLOSED
             detail: object = importer.error or "the producer closed the channel"
         else:
-            self._retry_if_due(agent_name)
             with self._lock:
                 failed = self._unavailable.get(agent_name)
             if failed is None:
                 reason, detail = Fallback.UNSHARED, "no NIXL handshake offered one"
             else:
-                reason, detail = failed[0].reason, failed[0]
+                reason, detail = failed.reason, failed
         STATS.fallback(agent_name, reason, detail, quiet=self._quiet(reason))
 
     def _quiet(self, reason: Fallback) -> bool:
@@ -468,7 +468,12 @@ class SameHostReads:
     def close(self) -> None:
         self.copier.close()
         with self._lock:
+            self._closed = True
             importers = list(self._importers.values())
             self._importers.clear()
+            timers = list(self._timers.values())
+            self._timers.clear()
+        for timer in timers:
+            timer.cancel()
         for importer in importers:
             importer.close()
