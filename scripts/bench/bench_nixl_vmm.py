@@ -28,8 +28,10 @@ prompt's KV (one descriptor per block).
   moves (on the host: one memmove).
 
 Prints GB/s per mode (median over ``--iters`` reads after ``--warmup``), the
-vmm/stock ratio and each mode's fraction of the link; ``--json`` writes
-them. On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
+vmm/stock ratio and each mode's fraction of the link, and for the NIXL modes
+where a read's time goes on the reader's thread (median ms of
+``make_prepped_xfer``, of posting it with ``transfer`` and of polling until it is
+done); ``--json`` writes them. On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
 picks cuda_ipc where it can)::
 
     python scripts/bench/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
@@ -220,20 +222,23 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     local = xfer.prep_xfer_dlist("NIXL_INIT_AGENT", xfer.get_xfer_descs(blocks, mem_type))
     remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
     rng = np.random.default_rng(0)
-    seconds = []
+    seconds, phases = [], []
     for i in range(args.warmup + args.iters):
         local_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
         remote_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
         start = time.perf_counter()
         handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids)
+        made = time.perf_counter()
         state = xfer.transfer(handle)
+        posted = time.perf_counter()
         while state == "PROC":
             state = xfer.check_xfer_state(handle)
-        took = time.perf_counter() - start
+        done = time.perf_counter()
         assert state == "DONE", f"read ended in state {state}"
         xfer.release_xfer_handle(handle)
         if i >= args.warmup:
-            seconds.append(took)
+            seconds.append(done - start)
+            phases.append((made - start, posted - made, done - posted))
     fault(f"nixl_vmm:{mode}:reader:read")
     reads = 0
     if same_host is not None:
@@ -250,14 +255,25 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     conn.send("done")
     _recv(conn, timeout, "word from the owner that the read is over")
     close()
-    return _result(args.blocks_per_read * args.block_bytes, seconds) | {
+    return _result(args.blocks_per_read * args.block_bytes, seconds, phases) | {
         "same_host_reads": reads}
 
 
-def _result(nbytes: int, seconds: list[float]) -> dict:
-    return {"gb_per_s": nbytes / statistics.median(seconds) / 1e9,
-            "median_ms": statistics.median(seconds) * 1e3,
-            "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3}
+PHASES = ("make", "post", "wait")
+"""Where a read's time goes, on the reader's thread: ``make_prepped_xfer``, ``transfer``
+(posting it) and polling ``check_xfer_state`` until it is done."""
+
+
+def _result(nbytes: int, seconds: list[float],
+            phases: list[tuple[float, ...]] | None = None) -> dict:
+    result = {"gb_per_s": nbytes / statistics.median(seconds) / 1e9,
+              "median_ms": statistics.median(seconds) * 1e3,
+              "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3}
+    if phases:
+        result["phase_median_ms"] = {
+            name: statistics.median(p[i] for p in phases) * 1e3
+            for i, name in enumerate(PHASES)}
+    return result
 
 
 def _link(args: argparse.Namespace) -> dict:
@@ -408,6 +424,9 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
                    if "of_link" in results else "")
         lines.append(f"{mode:7s}: {r['gb_per_s']:8.2f} GB/s  (median {r['median_ms']:.2f} ms, "
                      f"min {r['min_ms']:.2f}, max {r['max_ms']:.2f} per read{of_link})")
+        if "phase_median_ms" in r:
+            lines.append("         per read, median ms: " + ", ".join(
+                f"{name} {ms:.3f}" for name, ms in r["phase_median_ms"].items()))
     if "vmm" in results and "stock" in results:
         results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
         lines.append(f"vmm/stock: {results['vmm_over_stock']:.3f}")

@@ -106,3 +106,15 @@ def test_the_summary_gives_each_mode_measured_as_a_fraction_of_the_link():
     assert bench_nixl_vmm.summary(partial, ["stock", "vmm"]) == [
         "vmm    :    40.00 GB/s  (median 1.00 ms, min 0.50, max 2.00 per read)"]
     assert "of_link" not in partial and "vmm_over_stock" not in partial
+
+
+def test_a_reads_time_is_split_into_its_phases_on_the_readers_thread():
+    # Two reads: (make, post, wait) of 1+2+7 ms and 3+2+5 ms; 1000 bytes each.
+    result = bench_nixl_vmm._result(1000, [0.010, 0.010],
+                                    [(0.001, 0.002, 0.007), (0.003, 0.002, 0.005)])
+    assert result["phase_median_ms"] == pytest.approx({"make": 2.0, "post": 2.0, "wait": 6.0})
+    assert result["median_ms"] == pytest.approx(10.0)
+    lines = bench_nixl_vmm.summary({"vmm": result}, ["vmm"])
+    assert lines[1] == "         per read, median ms: make 2.000, post 2.000, wait 6.000"
+    # The link's one copy has no phases.
+    assert "phase_median_ms" not in bench_nixl_vmm._result(1000, [0.001])
