@@ -1,17 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The scheduler's page-aware block pool as its tests build it. Kept apart
-from ``utils.py``, which the page table's tests use without the scheduler."""
+"""The scheduler's page-aware block pool as its tests build it, on a clock
+the tests move."""
 
 from typing import Any
 
-from tests.v1.kv_vmm.utils import Clock
 from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
 from vllm.v1.kv_vmm.pages import KVLedgerOptions, KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 
 BPP = 4  # blocks per page
 PAGE = 1 << 20  # device bytes of a page
+
+
+class Clock:
+    """A clock the tests move by hand: ``now``, in seconds."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def make_page_policy(

@@ -15,12 +15,12 @@ test_byte_units_shared.py)."""
 import pytest
 import torch
 
-from tests.v1.kv_vmm.pool_utils import make_block_pool
-from tests.v1.kv_vmm.utils import (
-    Clock,
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
     requires_vmm_kv_wiring,
     write_tiny_llama_config,
 )
+from tests.v1.kv_vmm.pool_utils import Clock, make_block_pool
 from vllm.config import (
     CacheConfig,
     DeviceConfig,

@@ -8,14 +8,18 @@ on, the runtime limit and the ledger's CLI."""
 
 import pytest
 
-from tests.v1.kv_vmm.pool_utils import make_block_pool
+from tests.v1.kv_vmm.elastic_utils import (  # noqa: F401 (the fixtures)
+    ledger_base_fixture,
+    ledger_dir_fixture,
+    requires_vmm_kv_wiring,
+)
+from tests.v1.kv_vmm.pool_utils import Clock, make_block_pool
 from tests.v1.kv_vmm.test_byte_units import (
     DEVICES,
     SHAPES,
     rank_configs,
     vmm_options,
 )
-from tests.v1.kv_vmm.utils import Clock, requires_vmm_kv_wiring
 from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.v1.kv_vmm import test_page_table
+from tests.v1.kv_vmm.cuda_utils import requires_cuda_vmm
 from tests.v1.kv_vmm.test_page_table import (  # noqa: F401 (run here on CUDA)
     test_budget_refusal_changes_nothing,
     test_data_survives_other_pages_mapping,
@@ -26,7 +27,6 @@ from tests.v1.kv_vmm.test_page_table import (  # noqa: F401 (run here on CUDA)
     test_segment_callbacks_order,
     test_views_address_same_bytes_as_reference,
 )
-from tests.v1.kv_vmm.utils import requires_cuda_vmm
 from vllm.v1.kv_vmm import VmmBackend, VmmError, cuda
 from vllm.v1.kv_vmm.backend import ImportedChunk
 

@@ -15,13 +15,16 @@ from pathlib import Path
 import pytest
 
 import vllm.envs  # noqa: F401  (children as other users import nothing)
-from tests.v1.kv_vmm.utils import (
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+    requires_vmm_kv_wiring,
+)
+from tests.v1.kv_vmm.user_utils import (
     OTHER_UID,
     SHARED_GID,
     THIRD_UID,
     ForkedUser,
     requires_root,
-    requires_vmm_kv_wiring,
 )
 from vllm.v1.kv_vmm import shm_files
 from vllm.v1.kv_vmm.ledger import (

@@ -12,12 +12,13 @@ import time
 import pytest
 import torch
 
-from tests.v1.kv_vmm.pool_utils import BPP, make_block_pool, make_page_policy
-from tests.v1.kv_vmm.utils import (
-    Clock,
+from tests.v1.kv_vmm.elastic_utils import (  # noqa: F401 (the fixtures)
+    ledger_base_fixture,
+    map_failures_fixture,
     requires_vmm_kv_wiring,
     write_tiny_llama_config,
 )
+from tests.v1.kv_vmm.pool_utils import BPP, Clock, make_block_pool, make_page_policy
 from vllm.v1.kv_vmm import scheduler as scheduler_module
 from vllm.v1.kv_vmm import worker as worker_module
 from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError

@@ -6,7 +6,10 @@ that gives it pages."""
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+    requires_vmm_kv_wiring,
+)
 from vllm.v1.core.block_pool import BlockPool
 
 pytestmark = requires_vmm_kv_wiring

@@ -6,7 +6,10 @@ per tensor region while the KV cache keeps at least KV_PAGE_MIN_COUNT pages."""
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+    requires_vmm_kv_wiring,
+)
 from vllm.config import CacheConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.v1.kv_vmm.pool_utils import make_block_pool
-from tests.v1.kv_vmm.utils import Clock
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+)
+from tests.v1.kv_vmm.pool_utils import Clock, make_block_pool
 from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger, LedgerError
 from vllm.v1.kv_vmm.ledger_cli import main as ledger_cli

@@ -4,7 +4,10 @@
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+    requires_vmm_kv_wiring,
+)
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,

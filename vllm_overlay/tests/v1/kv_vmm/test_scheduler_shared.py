@@ -11,6 +11,10 @@ import time
 
 import pytest
 
+from tests.v1.kv_vmm.elastic_utils import (  # noqa: F401 (the fixtures)
+    ledger_base_fixture,
+    ledger_dir_fixture,
+)
 from tests.v1.kv_vmm.pool_utils import BPP, PAGE, make_block_pool, make_page_policy
 from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.ledger import (

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring, write_tiny_llama_config
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+    requires_vmm_kv_wiring,
+    write_tiny_llama_config,
+)
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_vmm.pages import KVPagePolicy

@@ -13,6 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.v1.kv_vmm.elastic_utils import (  # noqa: F401 (the fixtures)
+    ledger_base_fixture,
+    ledger_dir_fixture,
+    map_failures_fixture,
+)
 from tests.v1.kv_vmm.test_map_failures import startup_failure
 from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.ledger_cli import main as cli

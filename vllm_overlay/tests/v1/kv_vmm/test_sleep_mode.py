@@ -8,7 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.v1.kv_vmm.utils import requires_vmm_kv_wiring
+from tests.v1.kv_vmm.elastic_utils import (
+    ledger_base_fixture,  # noqa: F401 (the fixture)
+    requires_vmm_kv_wiring,
+)
 from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.kv_vmm import pages
 from vllm.v1.kv_vmm.pages import verify_vmm_kv_config

@@ -20,7 +20,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     rows,
     wait_until,
 )
-from tests.v1.kv_vmm.utils import requires_cuda_vmm
+from tests.v1.kv_vmm.cuda_utils import requires_cuda_vmm
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     DeviceCopier,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import requires_nixl
-from tests.v1.kv_vmm.utils import requires_cuda_vmm
+from tests.v1.kv_vmm.cuda_utils import requires_cuda_vmm
 
 NUM_PAGES = 4
 PAGES_PER_SEGMENT = 2  # two segments of two pages each
