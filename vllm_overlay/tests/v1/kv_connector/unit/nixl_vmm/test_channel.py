@@ -15,16 +15,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import (
-    BLOCK,
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 (fixtures)
     Reader,
     connect,
-    fill,
     finish,
+    producer_fixture,
     prove,
     read_block,
-    wait_until,
 )
+from tests.v1.kv_connector.unit.nixl_vmm.utils import BLOCK, fill, wait_until
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel, exporter
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
     Challenge,

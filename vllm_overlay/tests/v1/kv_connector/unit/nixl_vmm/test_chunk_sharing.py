@@ -13,17 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import (
-    BLOCK,
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 (fixtures)
     GatedCopier,
     Notifs,
     Producer,
     Reader,
     connect,
-    fill,
     finish,
-    make_table,
+    producer_fixture,
     read_block,
+    reader_fixture,
+)
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    BLOCK,
+    fill,
+    make_table,
     rows,
     wait_until,
 )

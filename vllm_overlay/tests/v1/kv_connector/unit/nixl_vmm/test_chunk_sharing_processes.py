@@ -14,16 +14,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import (
-    BLOCK,
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 (fixtures)
     AsyncGatedCopier,
     GatedCopier,
     Notifs,
     Reader,
     finish,
-    rows,
-    wait_until,
+    producer_fixture,
 )
+from tests.v1.kv_connector.unit.nixl_vmm.utils import BLOCK, rows, wait_until
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
 
 # Real processes started and killed: about 10 s a case.
@@ -41,7 +40,7 @@ _PYTHON_PRELUDE = textwrap.dedent("""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
         ChunkExporter,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
         SameHostReads,
     )
     BLOCK = 256 * 1024
@@ -127,7 +126,7 @@ def test_a_reader_that_dies_before_importing_holds_nothing_up(producer):
         """
     import socket
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
-    from tests.v1.kv_connector.unit.nixl_vmm.utils import prove
+    from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import prove
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(channel.channel_address(NAME))
     prove(s, NAME, SECRET, "silent")

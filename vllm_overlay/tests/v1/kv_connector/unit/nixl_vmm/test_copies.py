@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import Notifs, finish
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     BLOCK,
-    Notifs,
-    finish,
     make_table,
     rows,
     wait_until,
@@ -31,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
     ChunkExporter,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
     SameHostReads,
 )
 from vllm.v1.kv_vmm import HostVmmBackend, VmmError

@@ -10,14 +10,18 @@ import time
 
 import numpy as np
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import (
-    BLOCK,
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 (fixtures)
     AsyncGatedCopier,
     Notifs,
     Reader,
     connect,
-    fill,
     finish,
+    producer_fixture,
+    reader_fixture,
+)
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    BLOCK,
+    fill,
     requires_nixl,
     rows,
     wait_until,

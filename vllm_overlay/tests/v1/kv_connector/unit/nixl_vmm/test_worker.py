@@ -16,14 +16,12 @@ import msgspec
 import pytest
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import RecordingAgent
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.scheduler import (
     NixlVmmScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.worker import (
     NixlVmmWorker,
     fetch_agent_metadata,
-    same_host_reads_enabled,
 )
 from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 
@@ -79,9 +77,7 @@ def table():
 
 def _worker(table, fetch, fetch_attempts: int = 1) -> tuple[NixlVmmWorker, _Agent]:
     agent = _Agent()
-    worker = NixlVmmWorker(
-        agent, "worker", fetch=fetch, fetch_attempts=fetch_attempts, same_host=False
-    )
+    worker = NixlVmmWorker(agent, fetch=fetch, fetch_attempts=fetch_attempts)
     worker.page_table = table
     base = table.tensors[0].data_ptr()
     worker.register(["DRAM"], False, [(base, base + 4096)], 0)
@@ -189,22 +185,6 @@ def test_a_fetch_that_failed_is_tried_again_before_the_reads_fail(table):
         worker.close()
 
 
-def test_same_host_reads_are_on_unless_the_connector_config_turns_them_off():
-    def config(extra: dict) -> KVTransferConfig:
-        return KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
-
-    assert same_host_reads_enabled(config({}))
-    assert same_host_reads_enabled(config({"vmm_same_host": True}))
-    assert not same_host_reads_enabled(config({"vmm_same_host": False}))
-    assert not same_host_reads_enabled(config({"vmm_same_host": "False"}))
-    with pytest.raises(ValueError, match="'vmm_same_host'.* true or false, got 'no'"):
-        same_host_reads_enabled(config({"vmm_same_host": "no"}))
-
-
 def test_fetch_times_out_off_the_read_path():
     """A real side channel that never answers: the read path returns at once,
     and the fetch fails after its timeout."""
@@ -214,7 +194,7 @@ def test_fetch_times_out_off_the_read_path():
         port = rep.bind_to_random_port("tcp://127.0.0.1")
         # A reader with stock KV tensors (no page table) catches up too.
         agent = _Agent()
-        worker = NixlVmmWorker(agent, "worker", fetch_timeout_s=2.0, fetch_attempts=1)
+        worker = NixlVmmWorker(agent, fetch_timeout_s=2.0, fetch_attempts=1)
         worker.add_peer("peer", f"tcp://127.0.0.1:{port}", b"get-meta")
         try:
             ready, failed, done, on_failed = _events()
@@ -283,7 +263,7 @@ def test_register_checks_the_configuration(table):
     end = base + table.geometry.tensor_bytes[0]
 
     def worker() -> NixlVmmWorker:
-        w = NixlVmmWorker(_Agent(), "worker", same_host=False)
+        w = NixlVmmWorker(_Agent())
         w.page_table = table
         return w
 
@@ -356,70 +336,3 @@ def test_scheduler_counts_epochs_and_serves_republished_payloads():
     served = {(0, 0): b"a", (0, 1): b"b"}
     NixlVmmScheduler.serve(served, {b"b": b"b2", b"x": b"y"})
     assert served == {(0, 0): b"a", (0, 1): b"b2"}
-
-
-def test_a_vmm_worker_publishes_the_secret_that_opens_its_channel(table):
-    """A VMM-backed worker with the same-host path on shares its chunks with
-    readers holding the secret its handshake metadata carries; a stock
-    reader given that secret in the handshake opens the channel."""
-    import uuid
-
-    name = f"p-{uuid.uuid4()}"
-    producer = NixlVmmWorker(_Agent(), name)
-    producer.page_table = table
-    base = table.tensors[0].data_ptr()
-    table.map_pages([0])
-    producer.register(["DRAM"], False, [(base, base + 4096)], 0)
-    reader = NixlVmmWorker(_Agent(), "reader")
-    off = NixlVmmWorker(_Agent(), "off", same_host=False)
-    try:
-        secret = producer.same_host_secret
-        assert len(secret) == 32
-        assert reader.same_host_secret == b"" and off.same_host_secret == b""
-        agent = reader.read_same_host(["DRAM"], False, 0)
-        assert type(agent).__name__ == "StockKVXferAgent"
-        assert off.read_same_host(["DRAM"], False, 0) is off.agent
-        reader.offer_same_host(name.encode(), secret)
-        assert reader.same_host.has_channel(name)
-        deadline = time.monotonic() + 10
-        while reader.same_host.importer(name).num_mapped < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        reader.close()
-        producer.close()
-
-
-def test_fallbacks_reach_the_connector_stats():
-    """Reads that went to NIXL/UCX reach NixlConnector's own stats: counted
-    by reason in the worker's interval, summed in the log line, kept when
-    aggregated into stats that never saw one."""
-    nixl_stats = pytest.importorskip(
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats",
-        reason="the release's NixlConnector has no nixl.stats module",
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
-        STATS,
-        STATS_KEY,
-        Fallback,
-        fallbacks_by_reason,
-        record_fallbacks,
-    )
-
-    stats = nixl_stats.NixlKVConnectorStats()
-    record_fallbacks(stats.data)  # what came before this test
-    stats = nixl_stats.NixlKVConnectorStats()
-    record_fallbacks(stats.data)
-    assert stats.is_empty() and STATS_KEY not in stats.data
-    for _ in range(2):
-        STATS.fallback("peer", Fallback.NOT_SHARED, "outside")
-    STATS.fallback("peer", Fallback.CLOSED, "gone")
-    record_fallbacks(stats.data)
-    assert not stats.is_empty()
-    assert fallbacks_by_reason(stats.data) == {"not_shared": 2, "channel_closed": 1}
-    assert stats.reduce()["Num same-host fallbacks"] == 3
-    total = nixl_stats.NixlKVConnectorStats()
-    total.aggregate(stats)
-    total.aggregate(stats.clone_and_reset())
-    assert total.reduce()["Num same-host fallbacks"] == 6
-    assert "Num same-host fallbacks" not in nixl_stats.NixlKVConnectorStats().reduce()

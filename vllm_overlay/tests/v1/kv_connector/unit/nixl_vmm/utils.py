@@ -1,29 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Helpers of the NixlConnector-over-VMM tests: host VMM page tables, block
-rows, same-host readers, and copiers that hold a read in flight."""
+rows, NIXL agents over them (same-host readers: same_host_utils.py)."""
 
 import importlib.util
 import os
-import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
-    CopyJob,
-    HostCopier,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
-    ChunkExporter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
-    SameHostReads,
-)
 from vllm.v1.kv_vmm import (
     HostVmmBackend,
     KVPageGeometry,
@@ -81,53 +68,6 @@ def wait_until(cond, timeout=10.0):
         time.sleep(0.01)
 
 
-def finish(xfer, timeout=10.0):
-    """Poll a transfer to its end; its final state."""
-    deadline = time.monotonic() + timeout
-    while (state := xfer.check()) == "PROC":
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    return state
-
-
-def connect(reads, producer, chunks: int):
-    """Open ``reads``' channel to ``producer``; its importer, once it maps
-    ``chunks`` chunks."""
-    assert reads.offer(producer.name, producer.secret)
-    importer = reads.importer(producer.name)
-    wait_until(lambda: importer.num_mapped == chunks)
-    return importer
-
-
-def read_block(reads, producer, dst, block, notif_msg=b"", notify=None):
-    """A read of the producer's ``block`` into ``dst`` (one block's bytes),
-    or None where it goes through NIXL."""
-    return reads.make_read(
-        producer.name,
-        rows(dst.ctypes.data, [0]),
-        rows(producer.base, [block]),
-        notif_msg,
-        notify or Notifs(),
-    )
-
-
-def prove(sock, producer_name: str, secret: bytes, name: str):
-    """The reader's side of the handshake on a raw socket: ``Hello``, the
-    producer's ``Challenge``, our ``Proof``."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
-
-    boot_id, hostname = channel.host_identity()
-    nonce = channel.new_nonce()
-    channel.send(
-        sock, channel.Hello(name=name, boot_id=boot_id, hostname=hostname, nonce=nonce)
-    )
-    challenge, _ = channel.recv(sock, channel.CHALLENGE)
-    mine = channel.proof(
-        secret, "reader", (challenge.nonce, nonce), producer_name, name
-    )
-    channel.send(sock, channel.Proof(proof=mine))
-
-
 class RecordingAgent:
     """A NIXL agent stand-in that records registrations (for the order of
     checks and calls; transfers are real in the tests that need them)."""
@@ -143,98 +83,6 @@ class RecordingAgent:
 
     def deregister_memory(self, descs, backends=None):
         self.registered.remove(descs)
-
-
-class Notifs(list):
-    """Collects the notifications of same-host reads: ``(agent, msg)``."""
-
-    def __call__(self, agent: str, msg: bytes) -> None:
-        self.append((agent, msg))
-
-
-class Producer:
-    """A producer's page table shared by a real exporter on a fresh name."""
-
-    def __init__(self, drop_timeout_s=5.0, backend=None, **exporter_kwargs):
-        self.name = f"p-{uuid.uuid4()}"
-        self.secret = new_secret()
-        self.backend, self.table = make_table(backend)
-        self.exporter = ChunkExporter(
-            self.name, self.secret, drop_timeout_s=drop_timeout_s, **exporter_kwargs
-        )
-        self.exporter.attach(self.table)
-
-    @property
-    def base(self) -> int:
-        return self.table.tensors[0].data_ptr()
-
-    def close(self):
-        self.exporter.close()
-        self.table.close()
-        self.backend.close()
-
-
-class Reader(SameHostReads):
-    """Same-host reads into host memory with a backend of their own."""
-
-    def __init__(self, copier=None, name="reader", backend=None, **kwargs):
-        super().__init__(
-            backend or HostVmmBackend(), copier or HostCopier(), name, **kwargs
-        )
-
-    def close(self):
-        super().close()
-        self.backend.close()
-
-
-class GatedCopier(HostCopier):
-    """Host copies that wait for ``gate`` (a read in flight)."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.copying = threading.Event()
-
-    def copy(self, runs):
-        self.copying.set()
-        assert self.gate.wait(30)
-        super().copy(runs)
-
-
-class _GatedJob(CopyJob):
-    def __init__(self, copier, runs):
-        self.copier = copier
-        self.runs = runs
-        self.copied = False
-
-    def done(self):
-        if self.copier.gate.is_set() and not self.copied:
-            HostCopier.copy(self.copier, self.runs)
-            self.copied = True
-        return self.copied
-
-    def wait(self):
-        assert self.copier.gate.wait(30)
-        self.done()
-
-    def free(self):
-        self.copier.freed += 1
-
-
-class AsyncGatedCopier(HostCopier):
-    """Copies enqueued and completed by polling, as on a device (the
-    :class:`~...copies.DeviceCopier` interface): a copy completes once
-    ``gate`` is set. Stands in for the device on CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.copying = threading.Event()
-        self.freed = 0
-
-    def submit(self, runs):
-        self.copying.set()
-        return _GatedJob(self, runs)
 
 
 def nixl_side(name, block_bytes=BLOCK, num_blocks=NUM_BLOCKS, wrap=None):

@@ -7,10 +7,11 @@ prepared, which fails for blocks on pages not mapped yet (and goes stale
 when pages are remapped). :class:`SegmentedXferAgent` keeps the connector's
 descriptors instead and resolves the ones a transfer uses when the transfer
 is created (``initialize_xfer``), against the registrations of that moment;
-a READ whose remote blocks all lie in memory the peer shares with us on
-this host runs as a local copy (:mod:`.transfers`). Every transfer is an
-:class:`~.transfers.XferHandle`, every prepared list a :class:`PreparedList`:
-the agent calls their methods and never asks what they are.
+a READ that :class:`~.transfers.LocalReads` takes (one whose remote blocks
+all lie in memory the peer shares with us on this host: :mod:`.same_host`)
+runs as it makes it. Every transfer is an :class:`~.transfers.XferHandle`,
+every prepared list a :class:`PreparedList`: the agent calls their methods
+and never asks what they are.
 
 :class:`StockKVXferAgent` is the same for a reader with stock KV tensors:
 NIXL's prepared lists and transfers as before, except for peers that share
@@ -31,8 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
     NixlSegmentRegistry,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    LocalReads,
     NixlXfer,
-    SameHostReads,
     XferHandle,
     nixl_not_found,
 )
@@ -182,8 +183,8 @@ class SegmentedXferAgent:
         refresh_remote: fetches a peer's current agent metadata; True if it
             was updated meanwhile (a transfer naming unknown memory of the
             peer is then made once more).
-        same_host: READs of peers that share their KV memory with us on
-            this host run as local copies.
+        same_host: READs it takes (of peers that share their KV memory with
+            us on this host) run as it makes them: local copies.
 
     """
 
@@ -195,7 +196,7 @@ class SegmentedXferAgent:
         agent: Any,
         registry: NixlSegmentRegistry | None,
         refresh_remote: Callable[[str], bool] | None = None,
-        same_host: SameHostReads | None = None,
+        same_host: LocalReads | None = None,
     ) -> None:
         self.nixl_agent = agent
         self.registry = registry
@@ -406,7 +407,7 @@ class StockKVXferAgent(SegmentedXferAgent):
         self,
         agent: Any,
         refresh_remote: Callable[[str], bool] | None = None,
-        same_host: SameHostReads | None = None,
+        same_host: LocalReads | None = None,
     ) -> None:
         super().__init__(agent, None, refresh_remote, same_host)
         self._local: list[_NixlPrepared] = []

@@ -10,23 +10,25 @@ publication and read paths (:class:`NixlVmmWorker`):
 - with the page table: registers the KV memory per physical chunk of each
   mapped segment (:class:`~.registry.NixlSegmentRegistry`) and wraps the
   NIXL agent so descriptor lists are resolved per transfer
-  (:class:`~.agent.SegmentedXferAgent`); shares the chunks with same-host
-  readers that prove they are its NIXL peers (:class:`~.exporter.ChunkExporter`;
-  the secret of the proofs goes out in the handshake metadata);
+  (:class:`~.agent.SegmentedXferAgent`);
 - republishes the handshake payload when the registrations changed;
-- with or without it: reads of peers that offer a same-host channel in
-  their handshake run as local copies (:class:`~.transfers.SameHostReads`);
-  keeps VMM-backed peers' registrations current: a request names the
+- with or without it: keeps VMM-backed peers' registrations current: a
+  request names the
   registration epoch its peer had when it finished the request, and a
   reader whose copy of the peer's agent metadata is older fetches it again
   from the peer's side channel *in the background* before the read
   (``catch_up``). The read waits for the fetch like a request waits for a
   handshake; a fetch that fails (or times out) fails the request like a
   failed handshake does.
+
+Reads of same-host peers through shared memory plug in through
+:class:`SameHostHook`, which the connector passes in where it takes that path
+(:mod:`.same_host`).
 """
 
 import dataclasses
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
@@ -34,28 +36,17 @@ from typing import Any
 import msgspec
 import zmq
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
     SegmentedXferAgent,
     StockKVXferAgent,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import copier_for
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
-    ChunkExporter,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
     NixlSegmentRegistry,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
-    STATS,
-    Fallback,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
-    SameHostReads,
+    LocalReads,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_vmm.backend import VmmBackend, VmmError
-from vllm.v1.kv_vmm.host import HostVmmBackend
 from vllm.v1.kv_vmm.page_table import KVPageTable
 
 logger = init_logger(__name__)
@@ -67,25 +58,40 @@ logger = init_logger(__name__)
 FETCH_TIMEOUT_S = 5.0
 FETCH_ATTEMPTS = 3
 
-# kv_connector_extra_config key: whether reads of a same-host peer's
-# VMM-backed KV go through the shared-memory path.
-SAME_HOST_KEY = "vmm_same_host"
 
+class SameHostHook(ABC):
+    """Reads of same-host peers' KV through shared memory, and ours shared
+    with same-host readers: what :class:`NixlVmmWorker` takes from the
+    connector where that path is on (:class:`~.same_host.SameHostPath`)."""
 
-def same_host_reads_enabled(kv_transfer_config: Any) -> bool:
-    """``kv_connector_extra_config["vmm_same_host"]``, true by default: false
-    leaves every read of VMM-backed KV to NIXL/UCX (e.g. to compare the two
-    paths, or where a host's policy forbids passing memory between
-    processes)."""
-    value = kv_transfer_config.get_from_extra_config(SAME_HOST_KEY, True)
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        value = value.lower() == "true"
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"kv_connector_extra_config[{SAME_HOST_KEY!r}] must be true or "
-            f"false, got {value!r}"
-        )
-    return value
+    @abstractmethod
+    def share(self, page_table: KVPageTable) -> LocalReads | None:
+        """VMM-backed KV: offer the page table's chunks to same-host readers
+        (called before the NIXL registry attaches to it) and read same-host
+        peers; the reads, or None where the path could not be set up."""
+
+    @abstractmethod
+    def read_only(self, mem_type: str, device_id: int) -> LocalReads | None:
+        """Stock KV tensors of ``mem_type``: the reads of same-host
+        VMM-backed peers, or None (they go through NIXL/UCX)."""
+
+    @property
+    @abstractmethod
+    def secret(self) -> bytes:
+        """What our handshake metadata carries so that same-host readers can
+        prove they are our NIXL peers (empty: we share nothing)."""
+
+    @abstractmethod
+    def offer(self, agent_name: str, secret: bytes) -> None:
+        """A handshake with ``agent_name`` brought its ``secret``."""
+
+    @abstractmethod
+    def disconnect(self, agent_name: str) -> None:
+        """Forget the peer ``agent_name`` (a new handshake follows)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop sharing and reading."""
 
 
 def fetch_agent_metadata(path: str, request: bytes, timeout_s: float) -> bytes:
@@ -124,38 +130,32 @@ class NixlVmmWorker:
 
     Args:
         agent: the connector's ``nixl_agent``.
-        agent_name: its name (peers find our same-host channel by it).
         fetch: ``(path, request, timeout_s) -> agent metadata`` of a peer;
             :func:`fetch_agent_metadata` unless a test replaces it.
         fetch_timeout_s: how long one attempt of a background fetch may take.
         fetch_attempts: attempts of a fetch before the reads waiting for it
             fail.
-        same_host: share our chunks with same-host readers and read theirs
-            through shared memory (:func:`same_host_reads_enabled`).
+        same_host_path: shares our chunks with same-host readers and reads
+            theirs through shared memory (None: every read goes through
+            NIXL/UCX).
 
     """
 
     def __init__(
         self,
         agent: Any,
-        agent_name: str,
         fetch: Callable[[str, bytes, float], bytes] = fetch_agent_metadata,
         fetch_timeout_s: float = FETCH_TIMEOUT_S,
         fetch_attempts: int = FETCH_ATTEMPTS,
-        same_host: bool = True,
+        same_host_path: SameHostHook | None = None,
     ) -> None:
         self.page_table: KVPageTable | None = None
         self.registry: NixlSegmentRegistry | None = None
-        # Same-host path: our chunks shared with readers on this host, and
-        # the channels to the peers whose chunks we read.
-        self.same_host_enabled = same_host
-        self.exporter: ChunkExporter | None = None
-        self.same_host: SameHostReads | None = None
-        # A backend of our own to map peers' chunks (stock KV tensors).
-        self._reader_backend: VmmBackend | None = None
+        # Same-host path, where the connector takes it, and its reads.
+        self.same_host_path = same_host_path
+        self.same_host: LocalReads | None = None
         # The connector's agent; a SegmentedXferAgent once ours registers.
         self.agent = agent
-        self.agent_name = agent_name
         self._fetch = fetch
         self.fetch_timeout_s = fetch_timeout_s
         self.fetch_attempts = max(fetch_attempts, 1)
@@ -211,8 +211,8 @@ class NixlVmmWorker:
                 "Use --kv-cache-memory-backend default for this model."
             )
         mem_type = kinds[0]
-        if self.same_host_enabled:
-            self._share_on_this_host()
+        if self.same_host_path is not None:
+            self.same_host = self.same_host_path.share(self.page_table)
         self.registry = NixlSegmentRegistry(
             self.agent,
             mem_type,
@@ -241,25 +241,11 @@ class NixlVmmWorker:
         returns the agent the connector uses from now on (the same one where
         that cannot be: the reads then go through NIXL/UCX)."""
         kinds = sorted(set(mem_types))
-        if not self.same_host_enabled or use_host_buffer or len(kinds) != 1:
+        if self.same_host_path is None or use_host_buffer or len(kinds) != 1:
             return self.agent
-        backend: VmmBackend
-        try:
-            if kinds[0] == "DRAM":
-                backend = HostVmmBackend()
-            else:
-                from vllm.v1.kv_vmm.cuda import CudaVmmBackend
-
-                backend = CudaVmmBackend(device_id)
-            self.same_host = SameHostReads(
-                backend, copier_for(backend), self.agent_name, quiet_if_absent=True
-            )
-        except (ImportError, OSError, ValueError, VmmError) as e:
-            STATS.fallback(
-                "every peer", Fallback.SETUP, f"stock KV cache, no reader ({e})", True
-            )
+        self.same_host = self.same_host_path.read_only(kinds[0], device_id)
+        if self.same_host is None:
             return self.agent
-        self._reader_backend = backend
         self.agent = StockKVXferAgent(
             self.agent,
             refresh_remote=self._refresh_in_background,
@@ -267,38 +253,22 @@ class NixlVmmWorker:
         )
         return self.agent
 
-    def _share_on_this_host(self) -> None:
-        """Offer our chunks to same-host readers (attached before the NIXL
-        registry, so its checks run first under the page table's lock) and
-        get ready to read same-host peers' chunks."""
-        assert self.page_table is not None
-        backend = self.page_table.backend
-        try:
-            self.exporter = ChunkExporter(self.agent_name, channel.new_secret())
-            self.exporter.attach(self.page_table)
-            self.same_host = SameHostReads(
-                backend, copier_for(backend), self.agent_name
-            )
-        except (OSError, VmmError) as e:
-            STATS.fallback("every peer", Fallback.SETUP, f"no same-host path ({e})")
-            if self.exporter is not None:
-                self.exporter.close()
-                self.exporter = None
-
     @property
     def same_host_secret(self) -> bytes:
         """What our NIXL handshake metadata carries so that its readers can
         prove they are our peers on the same-host channel (empty: we share
         nothing)."""
-        return self.exporter.secret if self.exporter is not None else b""
+        if self.same_host_path is None:
+            return b""
+        return self.same_host_path.secret
 
     def offer_same_host(self, agent_name: str, secret: bytes) -> None:
         """The handshake with the peer ``agent_name`` brought its same-host
         ``secret`` (empty when it shares nothing): open the channel before
         the connector prepares the peer's descriptors, so a reader with
         stock KV tensors keeps them for same-host reads."""
-        if self.same_host is not None:
-            self.same_host.offer(agent_name, secret)
+        if self.same_host_path is not None:
+            self.same_host_path.offer(agent_name, secret)
 
     def _reservations(self) -> list[tuple[int, int]]:
         """The page table's reservations, adjacent ones merged."""
@@ -359,8 +329,8 @@ class NixlVmmWorker:
             self._side_channels.pop(agent_name, None)
             self._epochs.pop(agent_name, None)
             self._fetches.pop(agent_name, None)
-        if self.same_host is not None:
-            self.same_host.disconnect(agent_name)
+        if self.same_host_path is not None:
+            self.same_host_path.disconnect(agent_name)
 
     def catch_up(
         self,
@@ -478,11 +448,7 @@ class NixlVmmWorker:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
-        if self.same_host is not None:
-            self.same_host.close()
-        if self.exporter is not None:
-            self.exporter.close()
+        if self.same_host_path is not None:
+            self.same_host_path.close()
         if self.registry is not None:
             self.registry.close()
-        if self._reader_backend is not None:
-            self._reader_backend.close()
