@@ -13,13 +13,12 @@ publication and read paths (:class:`NixlVmmWorker`):
   (:class:`~.agent.SegmentedXferAgent`);
 - republishes the handshake payload when the registrations changed;
 - with or without it: keeps VMM-backed peers' registrations current: a
-  request names the
-  registration epoch its peer had when it finished the request, and a
-  reader whose copy of the peer's agent metadata is older fetches it again
-  from the peer's side channel *in the background* before the read
-  (``catch_up``). The read waits for the fetch like a request waits for a
-  handshake; a fetch that fails (or times out) fails the request like a
-  failed handshake does.
+  request names the registration epoch its peer had when it finished the
+  request, and a reader whose copy of the peer's agent metadata is older
+  fetches it again from the peer's side channel *in the background* before
+  the read (``catch_up``). The read waits for the fetch like a request waits
+  for a handshake; a fetch that fails (or times out) fails the request like
+  a failed handshake does.
 
 Reads of same-host peers through shared memory plug in through
 :class:`SameHostHook`, which the connector passes in where it takes that path
