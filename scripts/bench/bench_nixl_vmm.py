@@ -148,7 +148,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
             ChunkExporter,
         )
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
             SameHostReads,
         )
 
