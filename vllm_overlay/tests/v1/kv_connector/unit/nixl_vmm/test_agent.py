@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
-    NUM_BLOCKS,
     block_view,
     nixl_side,
     requires_nixl,
-    rows,
     run_read,
+    table_descs,
     ucx_over_loopback,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
@@ -30,10 +29,6 @@ LOCAL = "NIXL_INIT_AGENT"
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
     ucx_over_loopback(monkeypatch)
-
-
-def _descs(table, num_blocks=NUM_BLOCKS):
-    return rows(table.tensors[0].data_ptr(), range(num_blocks)).tolist()
 
 
 @requires_nixl
@@ -51,10 +46,10 @@ def test_reads_resolve_against_current_registrations():
         remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
         # Descriptors of every block, mapped or not: preparing them cannot fail.
         local = d_xfer.prep_xfer_dlist(
-            LOCAL, d_xfer.get_xfer_descs(_descs(d_table), "DRAM")
+            LOCAL, d_xfer.get_xfer_descs(table_descs(d_table), "DRAM")
         )
         remote_descs = d_xfer.prep_xfer_dlist(
-            remote, d_xfer.get_xfer_descs(_descs(p_table), "DRAM")
+            remote, d_xfer.get_xfer_descs(table_descs(p_table), "DRAM")
         )
         assert run_read(d_xfer, local, [1, 2], remote_descs, [3, 9]) == "DONE"
         assert torch.all(block_view(d_table, 1) == 4)

@@ -19,6 +19,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     requires_nixl,
     rows,
     run_read,
+    table_descs,
     ucx_over_loopback,
     wait_until,
 )
@@ -39,10 +40,6 @@ LOCAL = "NIXL_INIT_AGENT"
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
     ucx_over_loopback(monkeypatch)
-
-
-def _descs(table, num_blocks=NUM_BLOCKS):
-    return rows(table.tensors[0].data_ptr(), range(num_blocks)).tolist()
 
 
 def _nixl_agent(role):
@@ -106,10 +103,10 @@ def test_segmented_agent_reads_same_host_chunks_with_nixl_notifications():
         for b in range(16):
             fill(p_table, b, 3 * b + 1)
         remote = d_xfer.prep_xfer_dlist(
-            p_name, d_xfer.get_xfer_descs(_descs(p_table), "DRAM")
+            p_name, d_xfer.get_xfer_descs(table_descs(p_table), "DRAM")
         )
         local = d_xfer.prep_xfer_dlist(
-            LOCAL, d_xfer.get_xfer_descs(_descs(d_table), "DRAM")
+            LOCAL, d_xfer.get_xfer_descs(table_descs(d_table), "DRAM")
         )
         wait_until(lambda: d_worker.same_host.importer(p_name).num_mapped == 2)
 
@@ -172,7 +169,7 @@ def test_stock_reader_copies_a_vmm_peers_chunks_and_prepares_stock_peers(caplog)
         # NIXL could not prepare this list.
         reader.offer_same_host(p_name, p_worker.same_host_secret)
         remote = d_xfer.prep_xfer_dlist(
-            p_name, d_xfer.get_xfer_descs(_descs(p_table), "DRAM")
+            p_name, d_xfer.get_xfer_descs(table_descs(p_table), "DRAM")
         )
         assert type(remote).__name__ == "_PerTransfer"
         with caplog.at_level("DEBUG"):

@@ -9,7 +9,10 @@ import uuid
 
 import pytest
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import RecordingAgent
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (  # noqa: F401 (fixture)
+    RecordingAgent,
+    two_region_table_fixture,
+)
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
     SameHostPath,
@@ -17,21 +20,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
     same_host_reads_enabled,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.worker import NixlVmmWorker
-from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
-
-
-@pytest.fixture
-def table():
-    backend = HostVmmBackend(2 << 20)
-    geometry = KVPageGeometry(
-        [KVTensorLayout(block_bytes=1 << 20, num_regions=2)],
-        num_blocks=8,
-        granularity=backend.granularity,
-    )
-    table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
-    yield table
-    table.close()
-    backend.close()
 
 
 def test_same_host_reads_are_on_unless_the_connector_config_turns_them_off():

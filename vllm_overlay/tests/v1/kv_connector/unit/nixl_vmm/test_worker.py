@@ -15,7 +15,10 @@ import time
 import msgspec
 import pytest
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import RecordingAgent
+from tests.v1.kv_connector.unit.nixl_vmm.utils import (  # noqa: F401 (fixture)
+    RecordingAgent,
+    two_region_table_fixture,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.scheduler import (
     NixlVmmScheduler,
 )
@@ -23,7 +26,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.worker import (
     NixlVmmWorker,
     fetch_agent_metadata,
 )
-from vllm.v1.kv_vmm import HostVmmBackend, KVPageGeometry, KVPageTable, KVTensorLayout
 
 
 class _Agent(RecordingAgent):
@@ -59,20 +61,6 @@ class _Fetch:
         if self.error is not None:
             raise self.error
         return self.reply
-
-
-@pytest.fixture
-def table():
-    backend = HostVmmBackend(2 << 20)
-    geometry = KVPageGeometry(
-        [KVTensorLayout(block_bytes=1 << 20, num_regions=2)],
-        num_blocks=8,
-        granularity=backend.granularity,
-    )
-    table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
-    yield table
-    table.close()
-    backend.close()
 
 
 def _worker(table, fetch, fetch_attempts: int = 1) -> tuple[NixlVmmWorker, _Agent]:

@@ -49,6 +49,27 @@ def make_table(backend=None, num_blocks=NUM_BLOCKS, block=BLOCK):
     return backend, KVPageTable(backend, geometry, max_pages=geometry.num_pages)
 
 
+@pytest.fixture(name="table")
+def two_region_table_fixture():
+    """A page table of 8 blocks of 1 MiB in two regions (host memory); a test
+    module imports it to ask for ``table``."""
+    backend = HostVmmBackend(2 << 20)
+    geometry = KVPageGeometry(
+        [KVTensorLayout(block_bytes=1 << 20, num_regions=2)],
+        num_blocks=8,
+        granularity=backend.granularity,
+    )
+    table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
+    yield table
+    table.close()
+    backend.close()
+
+
+def table_descs(table, num_blocks=NUM_BLOCKS):
+    """Descriptor rows of the first ``num_blocks`` blocks of ``table``."""
+    return rows(table.tensors[0].data_ptr(), range(num_blocks)).tolist()
+
+
 def fill(table, block, value, block_bytes=BLOCK):
     flat = table.tensors[0].view(torch.uint8)
     flat[block * block_bytes : (block + 1) * block_bytes].fill_(value)
