@@ -296,6 +296,29 @@ def test_a_channel_that_cannot_open_falls_back_with_the_reason(
     assert producer.exporter.num_peers == 0
 
 
+def test_a_new_handshake_with_a_busy_producer_keeps_one_retry():
+    """A second offer that times out too replaces the pending retry (the
+    first timer is cancelled), and its wait has doubled."""
+    name, secret = f"p-{uuid.uuid4()}", channel.new_secret()
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    busy.bind(channel.channel_address(name))
+    busy.listen(4)  # never accepts: the connect succeeds, no answer comes
+    reads = Reader(connect_timeout_s=0.2, retry_after_s=5.0, retry_max_s=30.0)
+    try:
+        assert not reads.offer(name, secret)
+        first = reads._timers[name]
+        assert not reads.offer(name, secret)
+        second = reads._timers[name]
+        assert second is not first and first.finished.is_set()
+        assert first.interval == 5.0 and second.interval == 10.0
+        assert reads.retry_due(name)
+        reads.disconnect(name)
+        assert not reads.retry_due(name) and second.finished.is_set()
+    finally:
+        busy.close()
+        reads.close()
+
+
 def test_a_channel_that_timed_out_is_opened_again_later(caplog):
     """A producer too busy to answer in time: reads go through NIXL, and the
     channel is tried again in the background ``retry_after_s`` later, then

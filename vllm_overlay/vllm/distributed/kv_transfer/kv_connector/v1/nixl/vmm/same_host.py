@@ -290,13 +290,16 @@ class SameHostReads(LocalReads):
             return False
         with self._lock:
             closed = self._closed
-            if not closed:
+            # A handshake's offer and a retry may both have connected.
+            current = self._importers.get(agent_name)
+            spare = closed or (current is not None and current.alive)
+            if not spare:
                 self._importers[agent_name] = importer
                 self._unavailable.pop(agent_name, None)
                 self._retry_delay.pop(agent_name, None)
-        if closed:
+        if spare:
             importer.close()
-            return False
+            return not closed
         logger.info("KV reads from %s use the same-host path", agent_name)
         return True
 
@@ -306,7 +309,11 @@ class SameHostReads(LocalReads):
             if error.reason == Fallback.TIMEOUT and not self._closed:
                 delay = self._retry_delay.get(agent_name, self.retry_after_s)
                 self._retry_delay[agent_name] = min(2 * delay, self.retry_max_s)
-                timer = threading.Timer(delay, self._retry, (agent_name,))
+                previous = self._timers.get(agent_name)
+                if previous is not None:
+                    previous.cancel()
+                timer = threading.Timer(delay, self._retry)
+                timer.args = (agent_name, timer)
                 timer.name, timer.daemon = "kv-vmm-same-host-retry", True
                 self._timers[agent_name] = timer
                 timer.start()
@@ -317,12 +324,14 @@ class SameHostReads(LocalReads):
         importer = self.importer(agent_name)
         return importer is not None and importer.alive
 
-    def _retry(self, agent_name: str) -> None:
+    def _retry(self, agent_name: str, timer: threading.Timer) -> None:
         """A timed-out channel's retry, in its timer's thread (nothing if the
-        peer was disconnected or we closed meanwhile)."""
+        peer was disconnected, another timer replaced this one, or we closed
+        meanwhile)."""
         with self._lock:
-            if self._closed or self._timers.pop(agent_name, None) is None:
+            if self._closed or self._timers.get(agent_name) is not timer:
                 return
+            del self._timers[agent_name]
         self._connect(agent_name)
 
     def retry_due(self, agent_name: str | bytes) -> bool:
