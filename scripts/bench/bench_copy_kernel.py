@@ -52,11 +52,12 @@ def enable_peer_access() -> None:
             torch.empty(4, device=f"cuda:{a}").copy_(torch.ones(4, device=f"cuda:{b}"))
 
 
-def pieces_on_device(cc, runs: np.ndarray, base: torch.Tensor, piece_bytes: int):
-    """The kernel's rows of ``runs`` cut into pieces of ``piece_bytes`` (at most the
-    module's own piece size, so ``kernel_pieces`` cuts no further), on the device."""
-    rows = cc.kernel_pieces(cc.split_runs(runs, piece_bytes), base.data_ptr())
-    return torch.from_numpy(rows).to(base.device)
+def pieces_on_device(cc, runs, base: torch.Tensor, piece_bytes: int):
+    """The kernel's pieces of ``runs`` (``copies.Runs``) cut into pieces of
+    ``piece_bytes`` (at most the module's own piece size, so ``kernel_pieces`` cuts no
+    further), on the device, and how many there are."""
+    pieces = cc.kernel_pieces(cc.split_runs(runs, piece_bytes), base.data_ptr())
+    return torch.from_numpy(pieces).to(base.device).contiguous(), pieces.shape[1]
 
 
 def sweep(cc, name: str, base: torch.Tensor, rng) -> list[dict]:
@@ -70,16 +71,15 @@ def sweep(cc, name: str, base: torch.Tensor, rng) -> list[dict]:
     link = nbytes / link_ms / 1e6
     local = rng.choice(num_blocks, per_read, replace=False)
     remote = rng.choice(num_blocks, per_read, replace=False)
-    runs = np.stack([dst.data_ptr() + local.astype(np.uint64) * block,
-                     src.data_ptr() + remote.astype(np.uint64) * block,
-                     np.full(per_read, block, np.uint64)], axis=1).astype(np.uint64)
+    runs = cc.Runs(dst.data_ptr() + local.astype(np.uint64) * block,
+                   src.data_ptr() + remote.astype(np.uint64) * block,
+                   np.full(per_read, block, np.uint64))
     want = src.view(num_blocks, -1)[torch.from_numpy(remote).to("cuda:1")].to("cuda:0")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = [{"shape": name, "variant": "link", "gb_per_s": link, "ms": link_ms}]
     print(f"{name}: link {link:.1f} GB/s", flush=True)
     for piece in (64 << 10, 256 << 10):
-        pieces = pieces_on_device(cc, runs, base, piece)
-        n = len(pieces)
+        pieces, n = pieces_on_device(cc, runs, base, piece)
         for warps in (4, 8):
             for words in (512, 1024, 2048):
                 for programs in (sms // 4, sms // 2, sms, n):
@@ -107,11 +107,11 @@ def beside_gemms(cc, base: torch.Tensor, rng) -> dict:
     block, num_blocks, per_read = SHAPES["random_256k"]
     src = torch.empty(num_blocks * block // 8, dtype=torch.int64, device="cuda:1").random_()
     dst = torch.zeros(num_blocks * block // 8, dtype=torch.int64, device="cuda:0")
-    runs = np.stack([dst.data_ptr() + rng.choice(num_blocks, per_read, replace=False)
-                     .astype(np.uint64) * block,
-                     src.data_ptr() + rng.choice(num_blocks, per_read, replace=False)
-                     .astype(np.uint64) * block,
-                     np.full(per_read, block, np.uint64)], axis=1).astype(np.uint64)
+    runs = cc.Runs(dst.data_ptr() + rng.choice(num_blocks, per_read, replace=False)
+                   .astype(np.uint64) * block,
+                   src.data_ptr() + rng.choice(num_blocks, per_read, replace=False)
+                   .astype(np.uint64) * block,
+                   np.full(per_read, block, np.uint64))
     x = torch.randn(64, 4096, dtype=torch.bfloat16, device="cuda:0")
     weights = [torch.randn(4096, 14336, dtype=torch.bfloat16, device="cuda:0")
                for _ in range(4)]
@@ -124,12 +124,12 @@ def beside_gemms(cc, base: torch.Tensor, rng) -> dict:
 
     alone = timed(gemms, gemm_stream)
     copier = cc.RunCopier(torch.device("cuda:0"))
-    pieces = pieces_on_device(cc, runs, base, cc.PIECE_BYTES)
+    pieces, n = pieces_on_device(cc, runs, base, cc.PIECE_BYTES)
     nbytes = per_read * block
     launches = {
         "shipped launch (RunCopier)": lambda: copier.launch(runs, copy_stream.cuda_stream),
-        "one program per piece": lambda: cc._copy_runs_kernel[(len(pieces),)](
-            base, pieces, len(pieces), WORDS_PER_ITER=1024, num_warps=8),
+        "one program per piece": lambda: cc._copy_runs_kernel[(n,)](
+            base, pieces, n, WORDS_PER_ITER=1024, num_warps=8),
         "copy engines (one copy)": lambda: dst[: nbytes // 8].copy_(
             src[: nbytes // 8], non_blocking=True),
     }

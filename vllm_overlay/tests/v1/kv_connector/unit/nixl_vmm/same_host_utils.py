@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import make_table, rows, wait_until
@@ -23,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
     SameHostReads,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import Descs
 from vllm.v1.kv_vmm import HostVmmBackend
 
 
@@ -44,10 +46,26 @@ def connect(reads, producer, chunks: int):
     return importer
 
 
+def make_read(reads, name, local_rows, remote_rows, notif_msg, notify):
+    """``reads.make_read`` of every one of ``local_rows`` and
+    ``remote_rows`` (``(addr, len, dev)`` descriptors) in order."""
+    local, remote = Descs(local_rows, "DRAM"), Descs(remote_rows, "DRAM")
+    return reads.make_read(
+        name,
+        local,
+        np.arange(len(local.rows)),
+        remote,
+        np.arange(len(remote.rows)),
+        notif_msg,
+        notify,
+    )
+
+
 def read_block(reads, producer, dst, block, notif_msg=b"", notify=None):
     """A read of the producer's ``block`` into ``dst`` (one block's bytes),
     or None where it goes through NIXL."""
-    return reads.make_read(
+    return make_read(
+        reads,
         producer.name,
         rows(dst.ctypes.data, [0]),
         rows(producer.base, [block]),

@@ -19,6 +19,8 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
     StockKVXferAgent,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
     flat_desc_rows,
 )
 from vllm.v1.kv_vmm import VmmError

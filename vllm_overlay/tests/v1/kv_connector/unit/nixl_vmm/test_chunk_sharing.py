@@ -20,12 +20,14 @@ from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 
     Reader,
     connect,
     finish,
+    make_read,
     producer_fixture,
     read_block,
     reader_fixture,
 )
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     BLOCK,
+    NUM_BLOCKS,
     fill,
     make_table,
     rows,
@@ -35,7 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
     SameHostUnavailable,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import coalesce
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
     ChunkExporter,
 )
@@ -46,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
     Fallback,
     same_host_stats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import Descs
 from vllm.v1.kv_vmm import HostVmmBackend, VmmError
 
 
@@ -66,7 +68,8 @@ def test_reader_maps_shared_chunks_and_copies_them(producer, reader):
     dst = np.zeros(5 * BLOCK, dtype=np.uint8)
     blocks = [16, 17, 18, 9, 2]
     notifs = Notifs()
-    xfer = reader.make_read(
+    xfer = make_read(
+        reader,
         producer.name,
         rows(dst.ctypes.data, range(5)),
         rows(producer.base, blocks),
@@ -76,7 +79,7 @@ def test_reader_maps_shared_chunks_and_copies_them(producer, reader):
     # One row per block; 16, 17, 18 are adjacent on both sides: one copy
     # where the copier merges rows.
     assert len(xfer.runs) == 5
-    assert len(coalesce(*xfer.runs.T)) == 3
+    assert len(xfer.runs.coalesced()) == 3
     before = same_host_stats()
     assert xfer.post() in ("PROC", "DONE")
     assert finish(xfer) == "DONE"
@@ -91,7 +94,8 @@ def test_reader_maps_shared_chunks_and_copies_them(producer, reader):
     xfer.release()
     # A block on a page not mapped: not shared, the read goes to NIXL.
     assert (
-        reader.make_read(
+        make_read(
+            reader,
             producer.name,
             rows(dst.ctypes.data, [0]),
             rows(producer.base, [40]),
@@ -132,8 +136,8 @@ def test_a_read_waits_for_chunks_sent_before_it_instead_of_leaving_the_path(
         before = same_host_stats()
         dst = np.zeros(BLOCK, dtype=np.uint8)
         local = rows(dst.ctypes.data, [0])
-        xfer = reads.make_read(
-            producer.name, local, rows(producer.base, [24]), b"", Notifs()
+        xfer = make_read(
+            reads, producer.name, local, rows(producer.base, [24]), b"", Notifs()
         )
         assert xfer is not None and importer.num_mapped == 2
         xfer.post()
@@ -142,8 +146,8 @@ def test_a_read_waits_for_chunks_sent_before_it_instead_of_leaving_the_path(
         xfer.release()
         # Rows the producer never shared: one sync, then NIXL/UCX.
         assert (
-            reads.make_read(
-                producer.name, local, rows(producer.base, [40]), b"", Notifs()
+            make_read(
+                reads, producer.name, local, rows(producer.base, [40]), b"", Notifs()
             )
             is None
         )
@@ -186,13 +190,49 @@ def test_owner_gives_a_chunk_back_only_after_the_reader_dropped_it(reader):
         # The dropped chunk is no longer readable through the channel.
         dst = np.zeros(BLOCK, dtype=np.uint8)
         local = rows(dst.ctypes.data, [0])
-        assert reader.make_read(p.name, local, rows(p.base, [3]), b"", Notifs()) is None
+        assert (
+            make_read(reader, p.name, local, rows(p.base, [3]), b"", Notifs()) is None
+        )
         # The same extent is reused for a new segment: shared anew.
         p.table.map_pages([2])
         wait_until(lambda: importer.num_mapped == 2)
     finally:
         reader.disconnect(p.name)
         p.close()
+
+
+def test_reads_of_one_list_follow_the_chunks_mapped_at_each_read(producer, reader):
+    """A reader keeps where a producer's descriptors lie in its chunks, per
+    descriptor list, for the reads that follow; a drop forgets it. After the
+    producer gave a page back, a read of the same list goes to NIXL; after
+    it mapped the page again (a new chunk), the read copies the new bytes."""
+    table = producer.table
+    table.map_pages([0])
+    fill(table, 3, 7)
+    importer = connect(reader, producer, 1)
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+    local = Descs(rows(dst.ctypes.data, [0]), "DRAM")
+    remote = Descs(rows(producer.base, range(NUM_BLOCKS)), "DRAM")
+
+    def read(block):
+        xfer = reader.make_read(
+            producer.name, local, np.array([0]), remote, np.array([block]), b"", None
+        )
+        if xfer is None:
+            return None
+        xfer.post()
+        assert finish(xfer) == "DONE"
+        xfer.release()
+        return int(dst[0])
+
+    assert read(3) == 7
+    table.unmap_pages([0])
+    wait_until(lambda: importer.num_mapped == 0)
+    assert read(3) is None
+    table.map_pages([0])
+    fill(table, 3, 9)
+    wait_until(lambda: importer.num_mapped == 1)
+    assert read(3) == 9
 
 
 def test_a_reader_that_leaves_while_asked_to_drop_is_no_fault(
@@ -270,8 +310,13 @@ def test_a_channel_that_cannot_open_falls_back_with_the_reason(
     # Reads from it go through NIXL, counted under the channel's reason,
     # logged once.
     assert (
-        reader.make_read(
-            absent, np.zeros((1, 3), np.uint64), np.zeros((1, 3), np.uint64), b"", None
+        make_read(
+            reader,
+            absent,
+            np.zeros((1, 3), np.uint64),
+            np.zeros((1, 3), np.uint64),
+            b"",
+            None,
         )
         is None
     )
@@ -338,7 +383,7 @@ def test_a_channel_that_timed_out_is_opened_again_later(caplog):
         with caplog.at_level("WARNING"):
             assert not reads.offer(name, secret)
         assert "(timeout)" in caplog.text
-        assert reads.make_read(name, local, remote, b"", Notifs()) is None
+        assert make_read(reads, name, local, remote, b"", Notifs()) is None
         # Tried again 0.4 s later (timing out at 0.7 s), then 0.8 s after that.
         start = time.monotonic()
         wait_until(lambda: not reads.retry_due(name))  # the retry runs
@@ -351,7 +396,7 @@ def test_a_channel_that_timed_out_is_opened_again_later(caplog):
         wait_until(lambda: reads.importer(name) is not None)
         assert time.monotonic() - start >= 1.4
         wait_until(lambda: reads.importer(name).num_mapped == 1)
-        xfer = reads.make_read(name, local, remote, b"", Notifs())
+        xfer = make_read(reads, name, local, remote, b"", Notifs())
         assert xfer is not None
         xfer.release()
         # A peer without a listener is not retried.

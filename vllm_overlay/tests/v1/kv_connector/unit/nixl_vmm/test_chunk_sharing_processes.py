@@ -20,6 +20,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 
     Notifs,
     Reader,
     finish,
+    make_read,
     producer_fixture,
 )
 from tests.v1.kv_connector.unit.nixl_vmm.utils import BLOCK, rows, wait_until
@@ -178,7 +179,7 @@ def test_a_producer_that_dies_mid_read_fails_the_read(copier_cls):
         dst = np.zeros(BLOCK, dtype=np.uint8)
         notifs = Notifs()
         local = rows(dst.ctypes.data, [0])
-        xfer = reads.make_read(name, local, rows(base, [0]), b"req", notifs)
+        xfer = make_read(reads, name, local, rows(base, [0]), b"req", notifs)
         xfer.post()
         assert copier.copying.wait(10)
         _kill(child)
@@ -192,7 +193,7 @@ def test_a_producer_that_dies_mid_read_fails_the_read(copier_cls):
         xfer.release()
         wait_until(lambda: importer.num_mapped == 0)
         # Later reads from it go through NIXL (whose failure policy applies).
-        assert reads.make_read(name, local, rows(base, [0]), b"", notifs) is None
+        assert make_read(reads, name, local, rows(base, [0]), b"", notifs) is None
     finally:
         copier.gate.set()
         child.kill()

@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import Notifs, finish
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (
+    Notifs,
+    finish,
+    make_read,
+)
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     BLOCK,
     make_table,
@@ -24,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_se
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     DeviceCopier,
     HostCopier,
+    Runs,
     coalesce,
     copier_for,
 )
@@ -104,7 +109,7 @@ def test_host_copies_take_one_system_call_per_1024_runs_or_fall_back_to_memmove(
             ],
             dtype=np.uint64,
         )
-        job = copier.submit(runs)
+        job = copier.submit(Runs.of(runs))
         job.wait()
         assert job.done()
         copier.close()
@@ -122,16 +127,16 @@ def test_a_host_copy_that_fails_part_way_fails_its_job():
     copier = HostCopier()
     try:
         dst = np.zeros(64, dtype=np.uint8)
-        copier.submit(np.array([[dst.ctypes.data, dst.ctypes.data, 8]])).wait()
+        copier.submit(Runs.of(np.array([[dst.ctypes.data, dst.ctypes.data, 8]]))).wait()
         if copier._readv is None:
             pytest.skip("process_vm_readv is refused here (memmove would fault)")
         bad = np.array([[dst.ctypes.data, 8, 64]], dtype=np.uint64)  # address 8
-        job = copier.submit(bad)
+        job = copier.submit(Runs.of(bad))
         with pytest.raises(VmmError, match="failed part-way"):
             job.wait()
         src = np.full(64, 9, dtype=np.uint8)
         copier.submit(
-            np.array([[dst.ctypes.data, src.ctypes.data, 64]], dtype=np.uint64)
+            Runs.of(np.array([[dst.ctypes.data, src.ctypes.data, 64]]))
         ).wait()
         assert (dst == 9).all()
     finally:
@@ -182,7 +187,7 @@ class _Kernel:
         return self.accept
 
     def launch(self, runs, stream):
-        self.launched.append((np.asarray(runs).tolist(), stream))
+        self.launched.append((runs.coalesced().tolist(), stream))
 
 
 @pytest.mark.parametrize("kernel", [None, "accepts", "refuses"])
@@ -194,7 +199,7 @@ def test_device_copies_go_to_the_kernel_where_it_accepts_them(kernel):
     dst = np.zeros(64, dtype=np.uint8)
     runs = np.array([[dst.ctypes.data, src.ctypes.data, 64]], dtype=np.uint64)
     stream.ready = False
-    job = copier.submit(runs)
+    job = copier.submit(Runs.of(runs))
     assert not job.done()
     stream.ready = True
     assert job.done()
@@ -249,7 +254,8 @@ def test_cuda_chunks_are_imported_and_copied(copy):
         dst = torch.zeros(16 * BLOCK, dtype=torch.uint8, device="cuda")
         local = [0, 1, 2, 3, 4, 5, 6, 7]
         remote = [9, 3, 12, 0, 15, 4, 5, 6]  # two pages; 4, 5, 6 adjacent
-        xfer = reads.make_read(
+        xfer = make_read(
+            reads,
             name,
             rows(dst.data_ptr(), local),
             rows(table.tensors[0].data_ptr(), remote),
@@ -257,7 +263,7 @@ def test_cuda_chunks_are_imported_and_copied(copy):
             Notifs(),
         )
         assert len(xfer.runs) == len(local)
-        assert len(coalesce(*xfer.runs.T)) == 6
+        assert len(xfer.runs.coalesced()) == 6
         xfer.post()
         assert finish(xfer) == "DONE"
         got = dst.view(16, BLOCK).cpu()

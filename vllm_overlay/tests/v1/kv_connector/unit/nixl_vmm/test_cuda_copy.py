@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import Runs
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.cuda_copy import (
     PIECE_BYTES,
     RunCopier,
@@ -30,20 +31,21 @@ def test_split_runs_cuts_long_runs_into_pieces_that_cover_them():
         [[1 << 20, 8 << 20, 32 << 10], [4 << 20, 16 << 20, 2 * PIECE_BYTES + 48]],
         dtype=np.uint64,
     )
-    pieces = split_runs(runs)
-    assert pieces.tolist() == [
+    pieces = split_runs(Runs.of(runs))
+    assert np.stack([pieces.dst, pieces.src, pieces.nbytes], axis=1).tolist() == [
         [1 << 20, 8 << 20, 32 << 10],
         [4 << 20, 16 << 20, PIECE_BYTES],
         [(4 << 20) + PIECE_BYTES, (16 << 20) + PIECE_BYTES, PIECE_BYTES],
         [(4 << 20) + 2 * PIECE_BYTES, (16 << 20) + 2 * PIECE_BYTES, 48],
     ]
-    assert split_runs(np.zeros((0, 3), dtype=np.uint64)).shape == (0, 3)
+    assert len(split_runs(Runs.of(np.zeros((0, 3))))) == 0
 
 
 def test_only_runs_of_16_byte_multiples_go_to_the_kernel():
-    assert RunCopier.accepts(np.array([[1 << 20, 2 << 20, 4096]], dtype=np.uint64))
-    assert not RunCopier.accepts(np.array([[1 << 20, 2 << 20, 40]], dtype=np.uint64))
-    assert not RunCopier.accepts(np.array([[(1 << 20) + 8, 0, 16]], dtype=np.uint64))
+    assert RunCopier.accepts(Runs.of(np.array([[1 << 20, 2 << 20, 4096]])))
+    assert not RunCopier.accepts(Runs.of(np.array([[1 << 20, 2 << 20, 40]])))
+    assert not RunCopier.accepts(Runs.of(np.array([[(1 << 20) + 8, 0, 16]])))
+    assert not RunCopier.accepts(Runs.of(np.array([[1 << 20, (2 << 20) + 8, 16]])))
 
 
 def test_kernel_copies_every_run_and_nothing_else():
@@ -52,6 +54,7 @@ def test_kernel_copies_every_run_and_nothing_else():
         """
         import numpy as np, torch, triton, triton.language as tl
         import vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.cuda_copy as cc
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import Runs
 
         # Without a GPU vllm.triton_utils hands out placeholders: the module
         # keeps the kernel's Python function, which the interpreter runs.
@@ -83,16 +86,17 @@ def test_kernel_copies_every_run_and_nothing_else():
                          [d + 8192, s + 8192, 2 * cc.PIECE_BYTES + 512],
                          [d + 600000, s + 600000, 4096 + 48],
                          [d + 700000, s + 800000, 16]], dtype=np.uint64)
-        pieces = torch.from_numpy(cc.kernel_pieces(runs, base.data_ptr()))
+        pieces = torch.from_numpy(cc.kernel_pieces(Runs.of(runs), base.data_ptr()))
         # Fewer programs than pieces: each copies several, in turn.
-        kernel[(2,)](base, pieces, len(pieces), WORDS_PER_ITER=512)
+        n = pieces.shape[1]
+        kernel[(2,)](base, pieces.contiguous(), n, WORDS_PER_ITER=512)
         want = torch.full_like(dst, -1)
         for r in runs.tolist():
             want[r[0] - d >> 3 : r[0] - d + r[2] >> 3] = src[
                 r[1] - s >> 3 : r[1] - s + r[2] >> 3]
         assert torch.equal(dst, want), (dst != want).nonzero()[:5]
         assert int((dst >= 0).sum()) == int(runs[:, 2].sum()) // 8
-        print("copied", len(pieces), "pieces")
+        print("copied", n, "pieces")
         """
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -114,11 +118,16 @@ def test_kernel_copies_every_run_and_nothing_else():
 def test_kernel_pieces_of_short_runs_need_no_cut():
     """Runs no longer than a piece (a prompt's blocks) are the kernel's rows
     as they are, in words from the base."""
-    runs = np.array([[4096, 8192, 32], [1024, 2048, PIECE_BYTES]], dtype=np.uint64)
+    runs = Runs.of(np.array([[4096, 8192, 32], [1024, 2048, PIECE_BYTES]]))
     pieces = kernel_pieces(runs, 1024)
-    assert pieces.tolist() == [[384, 896, 4], [0, 128, PIECE_BYTES // 8]]
-    long = np.array([[1024, 2048, PIECE_BYTES + 16]], dtype=np.uint64)
-    assert len(kernel_pieces(long, 1024)) == 2
+    # Columns: dst, src, nwords.
+    assert pieces.tolist() == [[384, 0], [896, 128], [4, PIECE_BYTES // 8]]
+    long = Runs.of(np.array([[1024, 2048, PIECE_BYTES + 16]]))
+    assert kernel_pieces(long, 1024).shape == (3, 2)
+    # Into a buffer's first words, as a launch uploads them.
+    out = np.full(12, -1, dtype=np.int64)
+    kernel_pieces(runs, 1024, out=out)
+    assert out.tolist() == [384, 0, 896, 128, 4, PIECE_BYTES // 8] + [-1] * 6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -140,14 +149,11 @@ def test_queued_launches_keep_their_own_pieces():
         for k in (3, 2000, 5, 3000, 7, 1, 4000, 9, 2500):
             ids = rng.choice(nblocks, k, replace=False)
             dst = torch.full_like(src, -1)
-            runs = np.stack(
-                [
-                    dst.data_ptr() + ids * block,
-                    src.data_ptr() + ids * block,
-                    np.full(k, block),
-                ],
-                axis=1,
-            ).astype(np.uint64)
+            runs = Runs(
+                dst.data_ptr() + ids * block,
+                src.data_ptr() + ids * block,
+                np.full(k, block),
+            )
             copier.launch(runs, stream.cuda_stream)
             reads.append((ids, dst))
     stream.synchronize()

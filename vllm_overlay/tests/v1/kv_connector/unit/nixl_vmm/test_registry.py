@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
     NixlSegmentRegistry,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    Descs,
     XferHandle,
 )
 from vllm.v1.kv_vmm import VmmError
@@ -271,7 +272,7 @@ def test_unmap_refuses_under_the_lock_if_a_transfer_started_after_the_wait():
         registry.attach(table)
         table.map_pages([0, 1])
         base = table.tensors[0].data_ptr()
-        registry.track(xfer, np.array([(base, 4096, 0)], dtype=np.uint64))
+        registry.track(xfer, Descs([(base, 4096, 0)], "VRAM"), np.arange(1))
         with pytest.raises(VmmError, match="segment 0 cannot be unmapped"):
             table.unmap_pages([0])
         assert table.is_mapped(0) and len(agent.registered) == 2

@@ -16,6 +16,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 
     Reader,
     connect,
     finish,
+    make_read,
     producer_fixture,
     reader_fixture,
 )
@@ -50,7 +51,7 @@ def test_asynchronous_copies_complete_when_polled_and_hold_their_chunks(producer
         dst = np.zeros(BLOCK, dtype=np.uint8)
         local, remote = rows(dst.ctypes.data, [0]), rows(producer.base, [3])
         notifs = Notifs()
-        xfer = reads.make_read(producer.name, local, remote, b"r", notifs)
+        xfer = make_read(reads, producer.name, local, remote, b"r", notifs)
         assert xfer.post() == "PROC"
         assert xfer.check() == "PROC"
         # The producer gives the page back: it waits for the read in flight.
@@ -70,16 +71,68 @@ def test_asynchronous_copies_complete_when_polled_and_hold_their_chunks(producer
         table.map_pages([0])
         wait_until(lambda: importer.num_mapped == 1)
         copier.gate.clear()
-        xfer = reads.make_read(producer.name, local, remote, b"", notifs)
+        xfer = make_read(reads, producer.name, local, remote, b"", notifs)
         assert xfer.post() == "PROC"
         threading.Timer(0.2, copier.gate.set).start()
         xfer.release()
         assert copier.freed == 2 and xfer.state() == "DONE"
-        assert all(m.pins == 0 for m in importer._mapped.values())
+        assert importer.reads_in_flight == 0
         # A read never posted unpins at release.
-        xfer = reads.make_read(producer.name, local, remote, b"", notifs)
+        xfer = make_read(reads, producer.name, local, remote, b"", notifs)
         xfer.release()
-        assert all(m.pins == 0 for m in importer._mapped.values())
+        assert importer.reads_in_flight == 0
+    finally:
+        copier.gate.set()
+        reads.close()
+
+
+def test_a_drop_waits_for_the_reads_before_it_and_not_for_later_ones(producer):
+    """A drop waits for the reads in flight when it began (they may copy out
+    of its chunks), not for the reads made while it waits (they cannot use
+    its chunks): reads that keep coming never hold a producer's unmap up."""
+    table = producer.table
+    table.map_pages([0, 1])
+    fill(table, 3, 7)
+    fill(table, 9, 5)
+    copier = AsyncGatedCopier()
+    reads = Reader(copier)
+    try:
+        importer = connect(reads, producer, 2)
+        dst = np.zeros(2 * BLOCK, dtype=np.uint8)
+        before = make_read(
+            reads,
+            producer.name,
+            rows(dst.ctypes.data, [0]),
+            rows(producer.base, [3]),
+            b"",
+            Notifs(),
+        )
+        assert before.post() == "PROC"
+        unmapping = threading.Thread(target=table.unmap_pages, args=([0],))
+        unmapping.start()
+        time.sleep(0.2)
+        assert unmapping.is_alive()
+        # A read of the other page while the drop waits, still in flight
+        # when the read before the drop is over.
+        later = make_read(
+            reads,
+            producer.name,
+            rows(dst.ctypes.data, [1]),
+            rows(producer.base, [9]),
+            b"",
+            Notifs(),
+        )
+        assert later.post() == "PROC"
+        copier.gate.set()
+        assert finish(before) == "DONE"
+        unmapping.join(10)
+        assert not unmapping.is_alive() and importer.num_mapped == 1
+        assert importer.reads_in_flight == 1
+        assert finish(later) == "DONE"
+        assert (dst[:BLOCK] == 7).all() and (dst[BLOCK:] == 5).all()
+        before.release()
+        later.release()
+        assert importer.reads_in_flight == 0
     finally:
         copier.gate.set()
         reads.close()
@@ -122,7 +175,7 @@ def _read_done_at_post(producer, reader):
     local, remote = rows(dst.ctypes.data, [0]), rows(producer.base, [2])
     notifs = Notifs()
     before = same_host_stats()
-    xfer = reader.make_read(producer.name, local, remote, b"d", notifs)
+    xfer = make_read(reader, producer.name, local, remote, b"d", notifs)
     assert xfer.post() == "DONE"
     assert notifs == [(producer.name, b"d")] and (dst == 5).all()
     assert same_host_stats()["reads"] == before["reads"] + 1
@@ -140,18 +193,18 @@ def test_reads_that_leave_the_path_are_counted_by_reason(producer, reader):
     local, remote = rows(dst.ctypes.data, [0]), rows(producer.base, [1])
     before = same_host_stats()
     # Never offered a channel: the reader has nothing for this peer.
-    assert reader.make_read("stranger", local, remote, b"", Notifs()) is None
+    assert make_read(reader, "stranger", local, remote, b"", Notifs()) is None
     assert reader.offer(producer.name, producer.secret)
     wait_until(lambda: reader.importer(producer.name).num_mapped == 1)
     # Outside the shared chunks (page 5 is not mapped).
     assert (
-        reader.make_read(producer.name, local, rows(producer.base, [40]), b"", None)
+        make_read(reader, producer.name, local, rows(producer.base, [40]), b"", None)
         is None
     )
     # The channel closed (the producer stopped sharing).
     producer.exporter.close()
     wait_until(lambda: not reader.has_channel(producer.name))
-    assert reader.make_read(producer.name, local, remote, b"", None) is None
+    assert make_read(reader, producer.name, local, remote, b"", None) is None
     after = same_host_stats()
     for reason in ("unshared", "not_shared", "channel_closed"):
         key = f"fallbacks_{reason}"
@@ -176,7 +229,8 @@ def test_a_notification_that_fails_fails_the_read(producer, reader):
         raise nixlRemoteDisconnectError("the peer is gone")
 
     before = same_host_stats()
-    xfer = reader.make_read(
+    xfer = make_read(
+        reader,
         producer.name,
         rows(dst.ctypes.data, [0]),
         rows(producer.base, [0]),

@@ -32,68 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
     NixlSegmentRegistry,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    Descs,
     LocalReads,
     NixlXfer,
     XferHandle,
     nixl_not_found,
 )
 from vllm.v1.kv_vmm.backend import VmmError
-
-
-def flat_desc_rows(descs: Any) -> np.ndarray:
-    """Transfer descriptors as ``(addr, len, dev)`` rows, one per unit a
-    transfer's indices count.
-
-    NIXL's strided form (``(addr, len, dev, stride, count)`` rows, NIXL 1.5)
-    names ``count`` units ``stride`` bytes apart; indices into a prepared
-    strided list count those units, so they are expanded in order.
-    """
-    rows = np.asarray(descs, dtype=np.uint64)
-    if rows.ndim != 2 or rows.shape[1] != 5:
-        return rows.reshape(-1, 3)
-    counts = rows[:, 4].astype(np.int64)
-    unit = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )
-    addrs = np.repeat(rows[:, 0], counts) + unit.astype(np.uint64) * np.repeat(
-        rows[:, 3], counts
-    )
-    return np.stack(
-        [addrs, np.repeat(rows[:, 1], counts), np.repeat(rows[:, 2], counts)], axis=1
-    )
-
-
-class Descs:
-    """Transfer descriptors as the connector gave them (``source``) and
-    their memory type; as ``(addr, len, dev)`` rows once first asked for."""
-
-    __slots__ = ("source", "mem_type", "_rows")
-
-    def __init__(self, source: Any, mem_type: str | None) -> None:
-        self.source = source
-        self.mem_type = mem_type
-        self._rows: np.ndarray | None = None
-
-    @property
-    def rows(self) -> np.ndarray:
-        if self._rows is None:
-            self._rows = flat_desc_rows(self.source)
-        return self._rows
-
-    def flatten(self) -> None:
-        """Make the rows now (off the transfer path)."""
-        self._rows = self.rows
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        """The rows: a list of ours is array-like, as raw rows are."""
-        return self.rows if dtype is None else self.rows.astype(dtype)
-
-    @staticmethod
-    def of(xfer_list: Any, mem_type: str | None) -> "Descs":
-        """What ``prep_xfer_dlist`` took, by NIXL's rule: a list made by
-        ``get_xfer_descs`` carries its memory type (vLLM 0.21, 0.32); raw
-        rows come with theirs (0.33 prepares strided arrays directly)."""
-        return xfer_list if mem_type is None else Descs(xfer_list, mem_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,30 +237,32 @@ class SegmentedXferAgent:
         (the peer's fetched again once if they do not cover it)."""
         local, remote = request.local.descs, remote_side.descs
         peer = remote_side.agent_name
-        # np.take of whole rows: a fifth of the time of fancy indexing for a
-        # prompt's 16,000 rows.
-        local_rows = np.take(
-            local.rows, np.asarray(request.local_indices, dtype=np.int64), axis=0
-        )
-        remote_rows = np.take(
-            remote.rows, np.asarray(request.remote_indices, dtype=np.int64), axis=0
-        )
+        local_indices = np.asarray(request.local_indices, dtype=np.int64)
+        remote_indices = np.asarray(request.remote_indices, dtype=np.int64)
         handle: XferHandle | None = None
         if self.same_host is not None and request.operation == "READ":
             handle = self.same_host.make_read(
-                peer, local_rows, remote_rows, request.notif_msg, self._send_notif
+                peer,
+                local,
+                local_indices,
+                remote,
+                remote_indices,
+                request.notif_msg,
+                self._send_notif,
             )
         if handle is None:
+            # np.take of whole rows: a fifth of the time of fancy indexing
+            # for a prompt's 16,000 rows.
             handle = self._nixl_xfer(
                 request.operation,
-                (local_rows, local.mem_type),
-                (remote_rows, remote.mem_type),
+                (np.take(local.rows, local_indices, axis=0), local.mem_type),
+                (np.take(remote.rows, remote_indices, axis=0), remote.mem_type),
                 peer,
                 request.notif_msg,
                 request.options.get("backends", []),
             )
         if self.registry is not None:
-            self.registry.track(handle, local_rows)
+            self.registry.track(handle, local, local_indices)
         return handle
 
     def _nixl_xfer(

@@ -19,6 +19,7 @@ Either way a read's copies are a :class:`CopyJob` its transfer polls.
 """
 
 import ctypes
+import dataclasses
 import errno
 import os
 from abc import ABC, abstractmethod
@@ -61,6 +62,42 @@ def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> np.ndarra
     return runs
 
 
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """A read's copies as three columns (uint64, contiguous): ``nbytes[i]``
+    bytes from address ``src[i]`` to ``dst[i]``. Columns, not rows: the
+    copy kernel takes them as they are, and a prompt's 16,000 copies are
+    made by taking a column of each descriptor list."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    nbytes: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("dst", "src", "nbytes"):
+            column = np.ascontiguousarray(getattr(self, name), dtype=np.uint64)
+            object.__setattr__(self, name, column.reshape(-1))
+        if not len(self.dst) == len(self.src) == len(self.nbytes):
+            raise ValueError("copy runs: columns of different lengths")
+
+    @staticmethod
+    def of(rows: np.ndarray) -> "Runs":
+        """Runs of ``(dst, src, nbytes)`` rows."""
+        rows = np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
+        return Runs(rows[:, 0], rows[:, 1], rows[:, 2])
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def coalesced(self) -> np.ndarray:
+        """``(dst, src, n)`` rows, adjacent copies merged (:func:`coalesce`)."""
+        return coalesce(self.dst, self.src, self.nbytes)
+
+
 class CopyJob(ABC):
     """The copies of one read, started."""
 
@@ -80,10 +117,9 @@ class Copier(ABC):
     """Starts the copies of reads into one kind of memory."""
 
     @abstractmethod
-    def submit(self, runs: np.ndarray) -> CopyJob:
-        """Start copying the ``(dst, src, n)`` rows of ``runs`` (uint64, one
-        per descriptor of the read); raises :class:`VmmError` if they cannot
-        be started."""
+    def submit(self, runs: Runs) -> CopyJob:
+        """Start copying ``runs`` (one per descriptor of the read); raises
+        :class:`VmmError` if they cannot be started."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop; copies started before finish first."""
@@ -130,19 +166,19 @@ class HostCopier(Copier):
         self._readv = _process_vm_readv()
         self._executor: ThreadPoolExecutor | None = None
 
-    def submit(self, runs: np.ndarray) -> CopyJob:
+    def submit(self, runs: Runs) -> CopyJob:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="kv-vmm-same-host-copy"
             )
         return _FutureJob(self._executor.submit(self.copy, runs))
 
-    def copy(self, runs: np.ndarray) -> None:
-        """Copy the ``(dst, src, n)`` rows now."""
-        runs = coalesce(runs[:, 0], runs[:, 1], runs[:, 2])
-        if self._readv is not None and self._copy_readv(runs):
+    def copy(self, runs: Runs) -> None:
+        """Copy ``runs`` now."""
+        rows = runs.coalesced()
+        if self._readv is not None and self._copy_readv(rows):
             return
-        for dst, src, n in np.asarray(runs).reshape(-1, 3).tolist():
+        for dst, src, n in rows.tolist():
             ctypes.memmove(dst, src, n)
 
     def _copy_readv(self, runs: np.ndarray) -> bool:
@@ -210,12 +246,12 @@ class DeviceCopier(Copier):
         self.stream = stream
         self.kernel = kernel
 
-    def submit(self, runs: np.ndarray) -> CopyJob:
+    def submit(self, runs: Runs) -> CopyJob:
         if self.kernel is not None and self.kernel.accepts(runs):
-            # Rows as they are: the kernel cuts work into pieces anyway.
+            # Runs as they are: the kernel cuts work into pieces anyway.
             self.kernel.launch(runs, self.stream.handle)
         else:
-            self.stream.copy(coalesce(runs[:, 0], runs[:, 1], runs[:, 2]))
+            self.stream.copy(runs.coalesced())
         return _EventJob(self.stream, self.stream.record())
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import Runs
 from vllm.triton_utils import HAS_TRITON, tl, triton
 
 # Longest piece one program copies at a time: longer rows are cut so the
@@ -60,14 +61,14 @@ def _kernel_errors() -> tuple[type[Exception], ...]:
 @triton.jit
 def _copy_runs_kernel(base_ptr, pieces_ptr, num_pieces, WORDS_PER_ITER: tl.constexpr):
     """Copy pieces ``program_id``, ``program_id + num_programs``, ... of
-    ``pieces`` ((dst, src, nwords) rows, in int64 words relative to
-    ``base_ptr``). Whole iterations go unmasked, so their loads and stores
-    are 16 bytes wide; only a piece's last words are masked."""
+    ``pieces`` (three columns of ``num_pieces`` each: dst, src and nwords,
+    in int64 words relative to ``base_ptr``). Whole iterations go unmasked,
+    so their loads and stores are 16 bytes wide; only a piece's last words
+    are masked."""
     for piece in range(tl.program_id(0), num_pieces, tl.num_programs(0)):
-        row = piece * 3
-        dst = tl.multiple_of(tl.load(pieces_ptr + row), 2)
-        src = tl.multiple_of(tl.load(pieces_ptr + row + 1), 2)
-        nwords = tl.load(pieces_ptr + row + 2)
+        dst = tl.multiple_of(tl.load(pieces_ptr + piece), 2)
+        src = tl.multiple_of(tl.load(pieces_ptr + num_pieces + piece), 2)
+        nwords = tl.load(pieces_ptr + 2 * num_pieces + piece)
         whole = nwords // WORDS_PER_ITER * WORDS_PER_ITER
         for start in range(0, whole, WORDS_PER_ITER):
             offs = start + tl.arange(0, WORDS_PER_ITER)
@@ -79,51 +80,46 @@ def _copy_runs_kernel(base_ptr, pieces_ptr, num_pieces, WORDS_PER_ITER: tl.const
             tl.store(base_ptr + dst + offs, words, mask=mask)
 
 
-def _piece_counts(runs: np.ndarray, piece_bytes: int) -> np.ndarray:
-    """How many pieces of at most ``piece_bytes`` each run is cut into."""
-    lengths = runs[:, 2].astype(np.int64)
-    return np.maximum((lengths + piece_bytes - 1) // piece_bytes, 1)
-
-
-def split_runs(runs: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
-    """``(dst, src, n)`` runs cut into pieces of at most ``piece_bytes``."""
-    runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
-    counts = _piece_counts(runs, piece_bytes)
-    owner = np.repeat(np.arange(len(runs)), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    offset = ((np.arange(int(counts.sum())) - first) * piece_bytes).astype(np.uint64)
-    pieces = runs[owner].copy()
-    pieces[:, 0] += offset
-    pieces[:, 1] += offset
-    pieces[:, 2] = np.minimum(runs[owner, 2] - offset, np.uint64(piece_bytes))
-    return pieces
+def split_runs(runs: Runs, piece_bytes: int = PIECE_BYTES) -> Runs:
+    """``runs`` cut into pieces of at most ``piece_bytes``."""
+    counts = np.maximum((runs.nbytes + piece_bytes - 1) // piece_bytes, 1)
+    owner = np.repeat(np.arange(len(runs)), counts.astype(np.int64))
+    first = np.repeat(np.cumsum(counts) - counts, counts.astype(np.int64))
+    offset = (np.arange(len(owner), dtype=np.uint64) - first) * np.uint64(piece_bytes)
+    return Runs(
+        runs.dst[owner] + offset,
+        runs.src[owner] + offset,
+        np.minimum(runs.nbytes[owner] - offset, np.uint64(piece_bytes)),
+    )
 
 
 def kernel_pieces(
-    runs: np.ndarray, base_addr: int, out: np.ndarray | None = None
+    runs: Runs, base_addr: int, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """The kernel's ``(dst, src, nwords)`` rows for ``runs``: pieces of at
-    most :data:`PIECE_BYTES`, addresses as int64 words from ``base_addr``;
-    written into ``out`` (at least that many rows) where given."""
-    runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
-    if len(runs) and int(runs[:, 2].max()) > PIECE_BYTES:
+    """The kernel's pieces of ``runs`` (at most :data:`PIECE_BYTES` each) as
+    a ``(3, n)`` int64 array of dst, src (int64 words from ``base_addr``)
+    and nwords; in the first ``3 * n`` words of ``out`` where given."""
+    if len(runs) and int(runs.nbytes.max()) > PIECE_BYTES:
         runs = split_runs(runs)
-    pieces = out[: len(runs)] if out is not None else np.empty(runs.shape, np.int64)
+    n = len(runs)
+    if out is None:
+        pieces = np.empty((3, n), dtype=np.int64)
+    else:
+        pieces = out[: 3 * n].reshape(3, n)
     # Every address is below 2**63: the same bits as int64.
-    np.subtract(
-        np.ascontiguousarray(runs).view(np.int64),
-        np.array([base_addr, base_addr, 0], dtype=np.int64),
-        out=pieces,
-    )
+    np.subtract(runs.dst.view(np.int64), base_addr, out=pieces[0])
+    np.subtract(runs.src.view(np.int64), base_addr, out=pieces[1])
+    pieces[2] = runs.nbytes.view(np.int64)
     pieces >>= 3  # every address and length is a multiple of 16 bytes
     return pieces
 
 
-def num_pieces(runs: np.ndarray) -> int:
-    """How many rows :func:`kernel_pieces` makes of ``runs``."""
-    if not len(runs) or int(runs[:, 2].max()) <= PIECE_BYTES:
+def num_pieces(runs: Runs) -> int:
+    """How many pieces :func:`kernel_pieces` makes of ``runs``."""
+    if not len(runs) or int(runs.nbytes.max()) <= PIECE_BYTES:
         return len(runs)
-    return int(_piece_counts(runs, PIECE_BYTES).sum())
+    counts = (runs.nbytes + PIECE_BYTES - 1) // PIECE_BYTES
+    return int(np.maximum(counts, 1).sum())
 
 
 @dataclass
@@ -158,16 +154,17 @@ class RunCopier:
             raise CopyKernelUnavailable("unaligned base tensor")
 
     @staticmethod
-    def accepts(runs: np.ndarray) -> bool:
+    def accepts(runs: Runs) -> bool:
         """Whether every address and length of ``runs`` allows the kernel's
         16-byte accesses."""
-        runs = np.asarray(runs, dtype=np.uint64)
-        return not runs.size or not int(np.bitwise_or.reduce(runs.ravel())) % ALIGNMENT
+        if not len(runs):
+            return True
+        bits = np.bitwise_or.reduce(runs.dst) | np.bitwise_or.reduce(runs.src)
+        return not int(bits | np.bitwise_or.reduce(runs.nbytes)) % ALIGNMENT
 
-    def launch(self, runs: np.ndarray, stream: int) -> None:
+    def launch(self, runs: Runs, stream: int) -> None:
         """Enqueue the copies of ``runs`` (:meth:`accepts` them) on the CUDA
         stream ``stream`` (a handle) of our device."""
-        runs = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
         n = num_pieces(runs)
         if not n:
             return
@@ -179,7 +176,7 @@ class RunCopier:
             kernel_pieces(runs, self._base_addr, out=uploads.host.numpy())
             # Asynchronous out of pinned memory; the device buffer is reused
             # in the stream's order, the host one once this upload is over.
-            uploads.device[:n].copy_(uploads.host[:n], non_blocking=True)
+            uploads.device[: 3 * n].copy_(uploads.host[: 3 * n], non_blocking=True)
             uploads.uploaded.record()
             _copy_runs_kernel[(min(n, self._max_programs),)](
                 self._base,
@@ -198,12 +195,12 @@ class RunCopier:
         self._turns[stream] = (turn + 1) % _UPLOAD_SLOTS
         if turn < len(slots):
             slots[turn].uploaded.synchronize()
-            if len(slots[turn].host) >= n:
+            if len(slots[turn].host) >= 3 * n:
                 return slots[turn]
-        rows = max(1024, 1 << (n - 1).bit_length())
+        words = 3 * max(1024, 1 << (n - 1).bit_length())
         uploads = _Uploads(
-            host=torch.empty((rows, 3), dtype=torch.int64, pin_memory=True),
-            device=torch.empty((rows, 3), dtype=torch.int64, device=self.device),
+            host=torch.empty(words, dtype=torch.int64, pin_memory=True),
+            device=torch.empty(words, dtype=torch.int64, device=self.device),
             uploaded=torch.cuda.Event(),
         )
         if turn < len(slots):
@@ -220,7 +217,7 @@ class RunCopier:
             self._base[2:] = torch.tensor([7, 11], device=self.device)
             torch.accelerator.synchronize(self.device)
             addr = self._base_addr
-            self.launch(np.array([[addr, addr + 16, 16]], dtype=np.uint64), stream)
+            self.launch(Runs.of(np.array([[addr, addr + 16, 16]])), stream)
             torch.cuda.ExternalStream(stream, device=self.device).synchronize()
         except _kernel_errors() as e:
             raise CopyKernelUnavailable(f"{type(e).__name__}: {e}") from e

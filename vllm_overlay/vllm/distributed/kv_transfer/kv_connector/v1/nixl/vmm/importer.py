@@ -11,11 +11,13 @@ out of descriptors (the kernel drops the fds of the message) detaches from
 that producer with an error naming the limit and reads through NIXL/UCX.
 """
 
+import collections
 import contextlib
 import dataclasses
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -35,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
     STATS,
     Fallback,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import Descs
 from vllm.logger import init_logger
 from vllm.v1.kv_vmm.backend import ImportedChunk, VmmBackend, VmmError
 
@@ -45,7 +48,6 @@ logger = init_logger(__name__)
 class _Mapped:
     remote_va: int
     chunk: ImportedChunk
-    pins: int = 0
     dropping: bool = False
 
 
@@ -83,7 +85,17 @@ class ChunkImporter:
         self.error: Exception | None = None
         self._cond = threading.Condition()
         self._mapped: dict[int, _Mapped] = {}
-        self._index: tuple[np.ndarray, np.ndarray, np.ndarray, list[int]] | None = None
+        self._index: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # A producer's descriptor list -> each descriptor's address here (0:
+        # not looked up yet, or outside the chunks mapped then). Kept until a
+        # drop: chunks mapped later only add addresses.
+        self._local_addrs: weakref.WeakKeyDictionary[Descs, np.ndarray] = (
+            weakref.WeakKeyDictionary()
+        )
+        # Reads in flight per generation; a drop starts a new one and waits
+        # for the reads of the earlier ones (those may use its chunks).
+        self._generation = 0
+        self._reads: collections.Counter[int] = collections.Counter()
         self._send_lock = threading.Lock()
         # Syncs asked for and answered (see sync()).
         self._sync_asked = 0
@@ -250,9 +262,12 @@ class ChunkImporter:
             for m in victims:
                 m.dropping = True
             self._index = None
-            # The copies that pin them run on this process's threads or
-            # device, and end.
-            while any(m.pins for m in victims):
+            self._local_addrs.clear()
+            # Reads from now on cannot use the victims; those in flight may:
+            # their copies run on this process's threads or device, and end.
+            last = self._generation
+            self._generation += 1
+            while any(g <= last for g in self._reads):
                 self._cond.wait()
             for i in ids:
                 self._mapped.pop(i, None)
@@ -287,48 +302,66 @@ class ChunkImporter:
             return len(self._mapped)
 
     # -- reads ----------------------------------------------------------
-    def pin(self, remote_rows: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
-        """Local addresses of ``(addr, len, ...)`` rows of the producer's
-        memory and the chunks they lie in, pinned (:meth:`unpin`) so a drop
-        waits; None unless every row lies inside one mapped chunk."""
+    @property
+    def reads_in_flight(self) -> int:
+        with self._cond:
+            return sum(self._reads.values())
+
+    def pin(self, remote: Descs, indices: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """Local addresses of the producer's descriptors ``indices`` of
+        ``remote``, and a pin (:meth:`unpin` it) so that no chunk is dropped
+        under the read; None unless each descriptor lies inside one chunk
+        mapped now."""
         with self._cond:
             if not self.alive:
                 return None
-            if self._index is None:
-                live = sorted(
-                    (m.remote_va, m.chunk.nbytes, m.chunk.addr, i)
-                    for i, m in self._mapped.items()
-                    if not m.dropping
-                )
-                self._index = (
-                    np.array([r[0] for r in live], dtype=np.uint64),
-                    np.array([r[0] + r[1] for r in live], dtype=np.uint64),
-                    np.array([r[2] for r in live], dtype=np.uint64),
-                    [r[3] for r in live],
-                )
-            starts, ends, addrs, ids = self._index
-            if not len(starts):
-                return None
-            src = np.asarray(remote_rows[:, 0], dtype=np.uint64)
-            idx = np.searchsorted(starts, src, side="right").astype(np.int64) - 1
-            ok = (idx >= 0) & (
-                src + np.asarray(remote_rows[:, 1], dtype=np.uint64)
-                <= ends[np.maximum(idx, 0)]
-            )
-            if not ok.all():
-                return None
-            # The chunks the rows lie in (bincount: a prompt's 16,000 rows
-            # hashed by np.unique cost more than their copy's launch).
-            hit = np.bincount(idx, minlength=len(starts))
-            used = [ids[i] for i in np.flatnonzero(hit).tolist()]
-            for i in used:
-                self._mapped[i].pins += 1
-            return src - starts[idx] + addrs[idx], used
+            local_addrs = self._local_addrs.get(remote)
+            if local_addrs is None:
+                local_addrs = np.zeros(len(remote.addrs), dtype=np.uint64)
+                self._local_addrs[remote] = local_addrs
+            addrs = np.take(local_addrs, indices)
+            missing = np.flatnonzero(addrs == 0)
+            if len(missing):
+                looked_up = self._look_up(remote, indices[missing])
+                if looked_up is None:
+                    return None
+                addrs[missing] = looked_up
+                local_addrs[indices[missing]] = looked_up
+            self._reads[self._generation] += 1
+            return addrs, self._generation
 
-    def unpin(self, ids: list[int]) -> None:
+    def _look_up(self, remote: Descs, indices: np.ndarray) -> np.ndarray | None:
+        """Where descriptors ``indices`` of ``remote`` are mapped here, or
+        None unless each lies inside one chunk mapped now (lock held)."""
+        if self._index is None:
+            live = sorted(
+                (m.remote_va, m.chunk.nbytes, m.chunk.addr)
+                for m in self._mapped.values()
+                if not m.dropping
+            )
+            self._index = (
+                np.array([r[0] for r in live], dtype=np.uint64),
+                np.array([r[0] + r[1] for r in live], dtype=np.uint64),
+                np.array([r[2] for r in live], dtype=np.uint64),
+            )
+        starts, ends, chunk_addrs = self._index
+        if not len(starts):
+            return None
+        src = np.take(remote.addrs, indices)
+        idx = np.searchsorted(starts, src, side="right").astype(np.int64) - 1
+        ok = (idx >= 0) & (
+            src + np.take(remote.lengths, indices) <= ends[np.maximum(idx, 0)]
+        )
+        if not ok.all():
+            return None
+        return src - starts[idx] + chunk_addrs[idx]
+
+    def unpin(self, generation: int) -> None:
+        """A read pinned in ``generation`` (:meth:`pin`) is over."""
         with self._cond:
-            for i in ids:
-                self._mapped[i].pins -= 1
+            self._reads[generation] -= 1
+            if not self._reads[generation]:
+                del self._reads[generation]
             self._cond.notify_all()
 
     def close(self) -> None:

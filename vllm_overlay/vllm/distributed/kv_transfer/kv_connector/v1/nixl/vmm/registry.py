@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    Descs,
     IN_FLIGHT,
     XferHandle,
 )
@@ -70,7 +71,7 @@ class NixlSegmentRegistry:
         self._registrations: dict[tuple[int, int], Any] = {}
         self._ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
         # Transfer -> (starts, ends) of the local byte ranges it uses.
-        self._in_flight: dict[XferHandle, tuple[np.ndarray, np.ndarray]] = {}
+        self._in_flight: dict[XferHandle, tuple[Descs, np.ndarray]] = {}
         self._tables: list[KVPageTable] = []
 
     def attach(self, table: KVPageTable) -> None:
@@ -145,13 +146,12 @@ class NixlSegmentRegistry:
         self.agent.deregister_memory(descs, backends=self.backends)
 
     # -- transfers --------------------------------------------------------
-    def track(self, handle: XferHandle, local_descs: np.ndarray) -> None:
-        """Remember the local bytes (``(addr, len, dev)`` rows) of a transfer
-        until it is released."""
-        starts = local_descs[:, 0].astype(np.uint64)
-        ends = starts + local_descs[:, 1].astype(np.uint64)
+    def track(self, handle: XferHandle, local: Descs, indices: np.ndarray) -> None:
+        """Remember the local bytes of a transfer (descriptors ``indices`` of
+        ``local``) until it is released; their addresses are looked up only
+        when an unmap asks which transfers touch it."""
         with self._lock:
-            self._in_flight[handle] = (starts, ends)
+            self._in_flight[handle] = (local, indices)
 
     def untrack(self, handle: XferHandle) -> None:
         with self._lock:
@@ -177,7 +177,9 @@ class NixlSegmentRegistry:
         with self._lock:
             items = list(self._in_flight.items())
         hits = []
-        for handle, (starts, ends) in items:
+        for handle, (local, indices) in items:
+            starts = np.take(local.addrs, indices)
+            ends = starts + np.take(local.lengths, indices)
             for va, nbytes in ranges:
                 if np.any((starts < va + nbytes) & (ends > va)):
                     hits.append(handle)

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     Copier,
     CopyJob,
+    Runs,
     copier_for,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
@@ -42,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
     IN_FLIGHT,
+    Descs,
     LocalReads,
     XferHandle,
     nixl_errors,
@@ -77,6 +79,24 @@ def same_host_reads_enabled(kv_transfer_config: Any) -> bool:
     return value
 
 
+def _same_lengths(
+    local: Descs,
+    local_indices: np.ndarray,
+    remote: Descs,
+    remote_indices: np.ndarray,
+) -> np.ndarray:
+    """The bytes of each copy of a read; raises :class:`VmmError` unless
+    both sides' descriptors have the same lengths (compared per descriptor
+    only where a list's lengths differ)."""
+    lengths = local.uniform_length
+    if lengths is not None and lengths == remote.uniform_length:
+        return np.full(len(local_indices), lengths, dtype=np.uint64)
+    local_lengths = np.take(local.lengths, local_indices)
+    if not np.array_equal(local_lengths, np.take(remote.lengths, remote_indices)):
+        raise VmmError("same-host read: local and remote descriptor sizes differ")
+    return local_lengths
+
+
 @dataclasses.dataclass
 class XferTelemetry:
     """What NixlConnector's stats read from a finished transfer (the fields
@@ -98,10 +118,10 @@ class SameHostXfer(XferHandle):
 
     importer: ChunkImporter
     copier: Copier
-    #: ``(dst, src, nbytes)`` copies, one per descriptor of the read.
-    runs: np.ndarray
-    #: The chunks the runs read from, pinned.
-    pinned: list[int]
+    #: The copies, one per descriptor of the read.
+    runs: Runs
+    #: The importer's pin of the chunks the copies read from.
+    pinned: int
     #: The producer as NIXL names it (the notification goes through NIXL).
     remote_agent: str | bytes
     notif_msg: bytes
@@ -109,7 +129,7 @@ class SameHostXfer(XferHandle):
     desc_count: int
 
     def __post_init__(self) -> None:
-        self.total_bytes = int(self.runs[:, 2].sum()) if len(self.runs) else 0
+        self.total_bytes = self.runs.total_bytes
         self.job: CopyJob | None = None
         self.error: Exception | None = None
         self._finished = self._notified = self._reported = self._released = False
@@ -359,48 +379,54 @@ class SameHostReads(LocalReads):
     def make_read(
         self,
         agent_name: str | bytes,
-        local_rows: np.ndarray,
-        remote_rows: np.ndarray,
+        local: Descs,
+        local_indices: np.ndarray,
+        remote: Descs,
+        remote_indices: np.ndarray,
         notif_msg: bytes,
         notify: Callable[[str | bytes, bytes], Any],
     ) -> SameHostXfer | None:
-        """A read of ``remote_rows`` of the producer into ``local_rows`` as a
-        local copy, or None (go through NIXL, counted) unless every remote
-        row lies in a chunk the producer shares with us now. ``notify``
-        sends the read's notification to the producer (by ``agent_name``)."""
+        """A read of the producer's descriptors ``remote_indices`` of
+        ``remote`` into our ``local_indices`` of ``local`` as a local copy,
+        or None (go through NIXL, counted) unless every remote descriptor
+        lies in a chunk the producer shares with us now. ``notify`` sends
+        the read's notification to the producer (by ``agent_name``)."""
         importer = self.importer(agent_name)
         if importer is None or not importer.alive:
             self._fell_back(os.fsdecode(agent_name), importer)
             return None
-        pinned = importer.pin(remote_rows)
+        if len(local_indices) != len(remote_indices):
+            raise VmmError(
+                f"same-host read of {len(remote_indices)} descriptors into "
+                f"{len(local_indices)}: the two sides must list as many"
+            )
+        pinned = importer.pin(remote, remote_indices)
         if pinned is None and importer.sync():
-            pinned = importer.pin(remote_rows)
+            pinned = importer.pin(remote, remote_indices)
         if pinned is None:
             STATS.fallback(
                 importer.producer,
                 Fallback.NOT_SHARED,
-                f"a read of {len(remote_rows)} blocks lies outside the chunks "
+                f"a read of {len(remote_indices)} blocks lies outside the chunks "
                 "the producer shares now",
             )
             return None
-        src, ids = pinned
-        lengths = local_rows[:, 1].astype(np.uint64)
-        if not np.array_equal(lengths, remote_rows[:, 1].astype(np.uint64)):
-            importer.unpin(ids)
-            raise VmmError("same-host read: local and remote descriptor sizes differ")
-        runs = np.empty((len(src), 3), dtype=np.uint64)
-        runs[:, 0] = local_rows[:, 0]
-        runs[:, 1] = src
-        runs[:, 2] = lengths
+        src, generation = pinned
+        try:
+            lengths = _same_lengths(local, local_indices, remote, remote_indices)
+        except VmmError:
+            importer.unpin(generation)
+            raise
+        runs = Runs(np.take(local.addrs, local_indices), src, lengths)
         return SameHostXfer(
             importer,
             self.copier,
             runs,
-            ids,
+            generation,
             agent_name,
             notif_msg,
             notify,
-            len(local_rows),
+            len(local_indices),
         )
 
     def _fell_back(self, agent_name: str, importer: ChunkImporter | None) -> None:

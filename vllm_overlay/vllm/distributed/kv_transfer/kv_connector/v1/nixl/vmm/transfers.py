@@ -52,6 +52,98 @@ def nixl_not_found() -> tuple[type[Exception], ...]:
     return (nixlNotFoundError,)
 
 
+def flat_desc_rows(descs: Any) -> np.ndarray:
+    """Transfer descriptors as ``(addr, len, dev)`` rows, one per unit a
+    transfer's indices count.
+
+    NIXL's strided form (``(addr, len, dev, stride, count)`` rows, NIXL 1.5)
+    names ``count`` units ``stride`` bytes apart; indices into a prepared
+    strided list count those units, so they are expanded in order.
+    """
+    rows = np.asarray(descs, dtype=np.uint64)
+    if rows.ndim != 2 or rows.shape[1] != 5:
+        return rows.reshape(-1, 3)
+    counts = rows[:, 4].astype(np.int64)
+    unit = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    addrs = np.repeat(rows[:, 0], counts) + unit.astype(np.uint64) * np.repeat(
+        rows[:, 3], counts
+    )
+    return np.stack(
+        [addrs, np.repeat(rows[:, 1], counts), np.repeat(rows[:, 2], counts)], axis=1
+    )
+
+
+class Descs:
+    """Transfer descriptors as the connector gave them (``source``) and
+    their memory type; as ``(addr, len, dev)`` rows once first asked for.
+
+    A read takes what it needs of its descriptors by index, out of columns
+    made once per list (:attr:`addrs`, :attr:`lengths`): taking whole rows
+    of a prompt's 16,000 descriptors, twice per read, cost more host time
+    than the copy of their bytes. Lists are weakly referable, so what is
+    derived from one (a producer's addresses as mapped here) can be kept
+    for as long as the connector keeps the list.
+    """
+
+    __slots__ = ("__weakref__", "_columns", "_rows", "mem_type", "source")
+
+    def __init__(self, source: Any, mem_type: str | None) -> None:
+        self.source = source
+        self.mem_type = mem_type
+        self._rows: np.ndarray | None = None
+        self._columns: tuple[np.ndarray, np.ndarray, int | None] | None = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._rows = flat_desc_rows(self.source)
+        return self._rows
+
+    def _cols(self) -> tuple[np.ndarray, np.ndarray, int | None]:
+        if self._columns is None:
+            rows = self.rows
+            lengths = np.ascontiguousarray(rows[:, 1])
+            uniform = (
+                int(lengths[0])
+                if len(lengths) and (lengths == lengths[0]).all()
+                else None
+            )
+            self._columns = (np.ascontiguousarray(rows[:, 0]), lengths, uniform)
+        return self._columns
+
+    @property
+    def addrs(self) -> np.ndarray:
+        """The descriptors' addresses (uint64, contiguous)."""
+        return self._cols()[0]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The descriptors' lengths in bytes (uint64, contiguous)."""
+        return self._cols()[1]
+
+    @property
+    def uniform_length(self) -> int | None:
+        """The length every descriptor has, or None if they differ."""
+        return self._cols()[2]
+
+    def flatten(self) -> None:
+        """Make the rows and columns now (off the transfer path)."""
+        self._cols()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The rows: a list of ours is array-like, as raw rows are."""
+        return self.rows if dtype is None else self.rows.astype(dtype)
+
+    @staticmethod
+    def of(xfer_list: Any, mem_type: str | None) -> "Descs":
+        """What ``prep_xfer_dlist`` took, by NIXL's rule: a list made by
+        ``get_xfer_descs`` carries its memory type (vLLM 0.21, 0.32); raw
+        rows come with theirs (0.33 prepares strided arrays directly)."""
+        return xfer_list if mem_type is None else Descs(xfer_list, mem_type)
+
+
 class XferHandle(ABC):
     """A transfer of the agent: posted once, polled, measured, released."""
 
@@ -111,12 +203,15 @@ class LocalReads(ABC):
     def make_read(
         self,
         agent_name: str | bytes,
-        local_rows: np.ndarray,
-        remote_rows: np.ndarray,
+        local: Descs,
+        local_indices: np.ndarray,
+        remote: Descs,
+        remote_indices: np.ndarray,
         notif_msg: bytes,
         notify: Callable[[str | bytes, bytes], Any],
     ) -> XferHandle | None:
-        """A read of ``remote_rows`` of the peer into ``local_rows``, or None
-        (the agent makes it a NIXL transfer). ``notify`` sends the read's
-        notification to the peer (by ``agent_name``), as NIXL does after a
-        READ."""
+        """A read of the peer's descriptors ``remote_indices`` of ``remote``
+        into our ``local_indices`` of ``local`` (int64 arrays, as many of
+        each), or None (the agent makes it a NIXL transfer). ``notify`` sends
+        the read's notification to the peer (by ``agent_name``), as NIXL
+        does after a READ."""
