@@ -19,9 +19,10 @@ MAX_TOKENS = 8
 
 
 def _prompts() -> list[dict]:
-    # ~7,500 tokens: more blocks than the null block's page holds for the tiny model (256
-    # blocks of 16 tokens per 2 MiB page), so the burst after the idle shrink must map pages.
-    batch = [[(7 * i + 3 * j) % 4000 + 1 for j in range(900 + 10 * i)] for i in range(8)]
+    # ~30,000 tokens (about 1,900 blocks of 16): several pages whatever the attention
+    # backend's layout makes of a page (256 blocks for the tiny model with one region per
+    # block, 512 with K and V apart), so the burst after the idle shrink must map pages.
+    batch = [[(7 * i + 3 * j) % 4000 + 1 for j in range(1800 + 10 * i)] for i in range(16)]
     return [{"prompt_token_ids": p} for p in batch]
 
 
@@ -29,7 +30,7 @@ def _llm(model: Path, **kwargs):
     from vllm import LLM
 
     return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-               enforce_eager=True, max_model_len=1024, max_num_seqs=8, seed=0,
+               enforce_eager=True, max_model_len=2048, max_num_seqs=16, seed=0,
                gpu_memory_utilization=0.3, enable_prefix_caching=True, **kwargs)
 
 
@@ -38,6 +39,13 @@ def _generate(llm) -> list[list[int]]:
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
     return [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), params)]
+
+
+def _generate_one(llm) -> None:
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                 SamplingParams(temperature=0.0, max_tokens=2, detokenize=False))
 
 
 def _stats(worker) -> dict:
@@ -92,6 +100,12 @@ def test_engine_survives_a_full_device_and_keeps_its_tokens(gpu_model: Path, tmp
     filler = ctx.Process(target=_fill_device, args=(ready, release))
     try:
         assert _generate(llm) == reference
+        # Pages are given back at a step: the last one of the burst above ends with its
+        # pages mapped. One short request more (it fits in the null block's page) gives the
+        # engine the steps that give them back, so the burst below must map them again.
+        _generate_one(llm)
+        stats = llm.collective_rpc(_stats)[0]
+        assert stats["kv_mapped_bytes"] < stats["kv_mapped_bytes_peak"], stats
         # The engine is idle (the null block's page mapped); the device fills up.
         filler.start()
         assert ready.wait(300)
