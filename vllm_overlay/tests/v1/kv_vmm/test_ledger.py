@@ -698,3 +698,8 @@ def test_the_directory_is_read_when_used_not_at_import(monkeypatch, tmp_path):
     ledger.join(MiB, "a")
     assert os.path.exists(ledger.path)
     assert shm_files.base_dir() == str(base)
+    # Set but empty (``VLLM_KV_VMM_LEDGER_DIR= vllm serve ...``): the default,
+    # not a directory named "".
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", "")
+    assert shm_files.base_dir() == "/dev/shm"
+    assert KVMemoryLedger(KEY).directory.startswith("/dev/shm/vllm-kv-")
