@@ -132,6 +132,8 @@ def kv_vmm_shm_base() -> str:
     import vllm.envs as envs
 
     try:
-        return envs.VLLM_KV_VMM_LEDGER_DIR
+        base = envs.VLLM_KV_VMM_LEDGER_DIR
     except AttributeError:
-        return os.environ.get("VLLM_KV_VMM_LEDGER_DIR", "/dev/shm")
+        base = os.environ.get("VLLM_KV_VMM_LEDGER_DIR", "")
+    # Set but empty is unset, not a directory named "".
+    return base or "/dev/shm"

@@ -34,11 +34,13 @@ from vllm.v1.kv_vmm.pages import (
     KV_PAGE_GRANULARITY,
     KVPagePolicy,
     kv_page_geometry,
+    kv_page_limit_arguments,
     kv_page_limit_result,
     make_kv_page_policy,
     parse_kv_page_limit,
 )
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
+from vllm.v1.serial_utils import MsgpackEncoder
 
 pytestmark = [requires_vmm_kv_wiring, pytest.mark.skip_global_cleanup]
 
@@ -139,6 +141,23 @@ def test_the_same_bytes_give_the_same_pages_everywhere(tmp_path, shape, devices)
     assert query == (None, limit)
     answer = kv_page_limit_result(pool.set_page_limit(*query))
     assert answer["kv_page_limit"] == 5 and answer["kv_limit_bytes"] == 5 * page
+
+
+@pytest.mark.parametrize("name", ["max_pages", "max_bytes"])
+def test_a_runtime_limit_no_device_has_is_refused_before_the_engine(name):
+    """A limit above 2^60 (the largest size the device ledger holds) is no
+    limit of any device: refused with the bound, as the ledger CLI refuses it,
+    instead of failing to cross to the engine core (msgpack carries no int
+    above 2^64 - 1: the route answered 500)."""
+    most = 1 << 60
+    ok = {name: most}
+    assert kv_page_limit_arguments(**ok) == (ok.get("max_pages"), ok.get("max_bytes"))
+    MsgpackEncoder().encode((most, None))
+    for value in (most + 1, 1 << 64, 10**30):
+        with pytest.raises(ValueError, match=f"{name} must be at most {most}"):
+            kv_page_limit_arguments(**{name: value})
+        with pytest.raises(ValueError, match=f"{name} must be at most {most}"):
+            parse_kv_page_limit(**{name: str(value)})
 
 
 def test_a_flag_below_one_page_is_refused_and_beyond_the_capacity_lowered(

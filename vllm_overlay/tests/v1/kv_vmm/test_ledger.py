@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -265,6 +266,46 @@ def test_a_symlink_at_the_ledger_path_is_refused(ledger, tmp_path):
     os.symlink(moved, ledger.directory)
     with pytest.raises(LedgerError, match="is a symbolic link"):
         KVMemoryLedger(KEY).join(10 * MiB, "b")
+
+
+def _ends_within(fn, seconds: float, fifos: list[str]):
+    """``fn()``'s result or exception, or a failure if it still runs after
+    ``seconds`` (it is then freed by opening ``fifos`` for writing)."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(fn())
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in fifos:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(seconds)
+        pytest.fail(f"still waiting after {seconds} s on a FIFO in {fifos}")
+    return outcome[0]
+
+
+def test_a_fifo_in_the_directory_is_refused_not_waited_on(ledger, capsys):
+    """A FIFO where a ledger or a liveness lock file belongs is no regular
+    file: refused (the ledger) or passed over (a lock file), never opened in
+    a way that waits for a writer that never comes."""
+    ledger.join(10 * MiB, "a")
+    os.unlink(ledger.path)
+    os.mkfifo(ledger.path, 0o600)
+    error = _ends_within(ledger.read, 10, [ledger.path])
+    assert isinstance(error, LedgerError), error
+    assert "is not a regular file" in str(error) and ledger.path in str(error)
+    os.unlink(ledger.path)
+    ledger.join(10 * MiB, "b")
+    token = os.path.join(ledger.directory, f"vllm-kv-proc-{'ab' * 16}.lock")
+    os.mkfifo(token, 0o600)
+    assert _ends_within(lambda: cli(["list"]), 10, [token]) == 0
+    assert "b" in capsys.readouterr().out
 
 
 def test_files_others_may_write_are_refused_as_this_user(ledger):
@@ -657,3 +698,8 @@ def test_the_directory_is_read_when_used_not_at_import(monkeypatch, tmp_path):
     ledger.join(MiB, "a")
     assert os.path.exists(ledger.path)
     assert shm_files.base_dir() == str(base)
+    # Set but empty (``VLLM_KV_VMM_LEDGER_DIR= vllm serve ...``): the default,
+    # not a directory named "".
+    monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", "")
+    assert shm_files.base_dir() == "/dev/shm"
+    assert KVMemoryLedger(KEY).directory.startswith("/dev/shm/vllm-kv-")

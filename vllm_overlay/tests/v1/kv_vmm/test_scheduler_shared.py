@@ -5,6 +5,7 @@ handed out once every rank reported them, a page some rank could not map is
 given up and asked for again after a backoff, and engines sharing a device
 map beyond their floor only what its ledger shows as free."""
 
+import fcntl
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from tests.v1.kv_vmm.elastic_utils import (  # noqa: F401 (the fixtures)
 from tests.v1.kv_vmm.pool_utils import BPP, PAGE, make_block_pool, make_page_policy
 from vllm.v1.kv_vmm.device_share import DeviceShare
 from vllm.v1.kv_vmm.ledger import (
+    SERVING_LOCK_TIMEOUT_S,
     STAMP_SETTLE_S,
     KVMemoryLedger,
     LedgerError,
@@ -411,6 +413,42 @@ def test_a_garbage_ledger_never_takes_a_running_pool_down(scheduler_log, reports
     a.free_blocks(held)
     a.close()
     assert ledger.read() is None
+
+
+def test_a_ledger_lock_held_by_a_stopped_process_costs_no_step(scheduler_log):
+    """A process of the user stopped (or hung) while it holds the ledger's
+    lock: a serving pool waits for the lock only briefly, once per ledger
+    read (not for every ledger call of a step), keeps serving with what it
+    has mapped, logs once naming the lock file, and records its mapping once
+    the lock is free again."""
+    options = KVLedgerOptions(
+        devices={"host": PAGE}, capacity_bytes=16 * PAGE, name="a"
+    )
+    a, _ = make_pool(num_blocks=64, num_ranks=1, ledger=options, reports=False)
+    ledger = KVMemoryLedger("host")
+    holder = os.open(ledger.lock_path, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: another holder
+    try:
+        started = time.monotonic()
+        for _ in range(4):  # steps over several seconds
+            a.clock.now += LEDGER_FULL_READ_INTERVAL_S + 0.1
+            blocks = a.get_new_blocks(a.free_block_queue.num_free_blocks + BPP)
+            a.take_page_ops()
+            a.free_blocks(blocks)
+            a.take_page_ops()
+        took = time.monotonic() - started
+        # Each step waited for the lock at most once, not 5 s per call.
+        assert took < 4 * (SERVING_LOCK_TIMEOUT_S + 0.5), took
+    finally:
+        os.close(holder)
+    problems = [m for m in scheduler_log if ledger.lock_path in m]
+    assert len(problems) == 1 and "keeps serving" in problems[0], scheduler_log
+    time.sleep(LEDGER_FULL_READ_INTERVAL_S)  # the file did not change: the next read
+    a.clock.now += LEDGER_FULL_READ_INTERVAL_S + 0.1
+    a.take_page_ops()
+    assert find(ledger, "a").mapped_bytes == a.num_mapped_pages * PAGE
+    assert any("can be used again" in m for m in scheduler_log)
+    a.close()
 
 
 def test_a_starting_pool_refuses_a_garbage_ledger():

@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.kv_vmm.ledger import (
+    SERVING_LOCK_TIMEOUT_S,
     KVMemoryLedger,
     LedgerError,
     LedgerState,
@@ -38,7 +39,10 @@ class DeviceShare:
     none) and maps what it has, pages a step needs now included, and gives
     pages back as usual. The ledger is read again at the usual interval;
     once it can be, the pool records what it maps in it (or joins again if
-    its entry or the file was removed) and goes on.
+    its entry or the file was removed) and goes on. Until then the pool
+    leaves the file alone: only that read tries it, waiting for its lock at
+    most ``SERVING_LOCK_TIMEOUT_S`` (a process stopped while it holds the
+    lock costs a step no more).
     """
 
     def __init__(self, policy: KVPagePolicy, initial_pages: int) -> None:
@@ -71,6 +75,8 @@ class DeviceShare:
             # A ledger that cannot be used refuses the start (LedgerError).
             ledger = KVMemoryLedger(key, group=options.group)
             entry_id = self._join(ledger, page_bytes, floor)
+            # Serving from now on: a stuck lock must not stall every step.
+            ledger.lock_timeout_s = SERVING_LOCK_TIMEOUT_S
             self.ledgers.append((ledger, entry_id, page_bytes))
         self.states: dict[str, Any] = {}
         self.read_at = float("-inf")
@@ -221,6 +227,10 @@ class DeviceShare:
         otherwise)."""
         granted = []
         for ledger, entry_id, page_bytes in self.ledgers:
+            if ledger.key in self._behind:
+                # Not used until a read succeeds (which records the pages).
+                granted.append(num_pages if force else 0)
+                continue
             try:
                 nbytes = ledger.grow(
                     entry_id, num_pages * page_bytes, page_bytes, force
@@ -238,6 +248,8 @@ class DeviceShare:
         return pages
 
     def _shrink_one(self, ledger: KVMemoryLedger, entry_id: str, nbytes: int) -> None:
+        if ledger.key in self._behind:
+            return
         try:
             ledger.shrink(entry_id, nbytes)
         except LedgerError as e:
@@ -250,6 +262,8 @@ class DeviceShare:
 
     def set_limit(self, num_pages: int) -> None:
         for ledger, entry_id, page_bytes in self.ledgers:
+            if ledger.key in self._behind:
+                continue
             try:
                 ledger.update(entry_id, limit_bytes=num_pages * page_bytes)
             except LedgerError as e:
@@ -276,6 +290,8 @@ class DeviceShare:
         ``page_bytes``. A ledger that cannot be used is noted as such (see
         the class docstring)."""
         for ledger, entry_id, page_bytes in self.ledgers:
+            if ledger.key in self._behind:
+                continue
             try:
                 ledger.update(entry_id, **fields_of(page_bytes))
             except LedgerError as e:

@@ -81,6 +81,7 @@ __all__ = [
     "MAX_LEDGER_FILE_BYTES",
     "MAX_NAME_CHARS",
     "MAX_SHARE_WEIGHT",
+    "SERVING_LOCK_TIMEOUT_S",
     "STAMP_SETTLE_S",
     "check_entry_fields",
     "find_entry",
@@ -96,6 +97,10 @@ _LOCK_SUFFIX = ".lock"
 #: A lock held longer than this is a fault (a process stopped while it held
 #: it), reported as such instead of waiting forever.
 LEDGER_LOCK_TIMEOUT_S = 5.0
+#: How long a serving engine waits for the lock (``lock_timeout_s``): a lock
+#: held longer costs it one ledger read (no growth from the ledger until the
+#: next), not seconds of every step.
+SERVING_LOCK_TIMEOUT_S = 0.25
 
 
 class LedgerError(SharedFileError):
@@ -155,6 +160,8 @@ class KVMemoryLedger:
         self.directory = shm_files.dir_path(self.owner, self.base)
         self.path = ledger_path(key, self.directory)
         self.lock_path = self.path[: -len(_SUFFIX)] + _LOCK_SUFFIX
+        #: How long to wait for the lock; None: ``LEDGER_LOCK_TIMEOUT_S``.
+        self.lock_timeout_s: float | None = None
 
     def _error(self, problem: str) -> LedgerError:
         return LedgerError(
@@ -180,7 +187,10 @@ class KVMemoryLedger:
         not ``create``)."""
         if not self._directory(create):
             return None
-        deadline = time.monotonic() + LEDGER_LOCK_TIMEOUT_S
+        timeout = self.lock_timeout_s
+        if timeout is None:
+            timeout = LEDGER_LOCK_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while True:
             if not create:
                 try:
@@ -195,7 +205,7 @@ class KVMemoryLedger:
                 os.close(fd)
                 raise LedgerError(
                     f"KV memory ledger {self.path}: its lock {self.lock_path} "
-                    f"was held for more than {LEDGER_LOCK_TIMEOUT_S:g} s (a "
+                    f"was held for more than {timeout:g} s (a "
                     "process stopped while it held it?); stop that process or "
                     f"remove the lock file (rm {self.lock_path})"
                 )

@@ -26,6 +26,7 @@ from vllm.v1.kv_vmm.kv_layout import (
     verify_vmm_kv_config,
     virtual_kv_cache_config,
 )
+from vllm.v1.kv_vmm.ledger_format import MAX_LEDGER_BYTES
 from vllm.v1.kv_vmm.page_policy import (
     HOST_DEVICE_KEY,
     KV_PAGE_GRANULARITY,
@@ -176,7 +177,7 @@ def kv_page_limit_arguments(
     max_pages: int | None = None, max_bytes: int | None = None
 ) -> tuple[int | None, int | None]:
     """Check the arguments of a runtime page limit before they reach the
-    engine: exactly one of the two, each a whole number of at least 1
+    engine: exactly one of the two, each a whole number from 1 to 2^60
     (``max_bytes`` in bytes per device). Returns them; raises ``ValueError``
     naming the problem and the fix.
 
@@ -196,6 +197,12 @@ def kv_page_limit_arguments(
             raise ValueError(
                 f"{name} must be at least 1 (the KV cache keeps the null "
                 f"block's page mapped); got {value}"
+            )
+        if value > MAX_LEDGER_BYTES:
+            # No device has that much; nor could it reach the engine core.
+            raise ValueError(
+                f"{name} must be at most {MAX_LEDGER_BYTES}; got {value} (a "
+                "limit beyond the KV cache's capacity is lowered to it)"
             )
     return max_pages, max_bytes
 

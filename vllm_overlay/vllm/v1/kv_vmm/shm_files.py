@@ -262,7 +262,9 @@ def open_file(
     """Open an existing shared file, checked (not a symlink, the owner's,
     nobody else may write it); FileNotFoundError if there is none."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put in the file's place would block the open
+        # until a writer comes; it is refused below like any non-file.
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise SharedFileError(
@@ -427,7 +429,9 @@ def token_alive(directory: str, token: str) -> bool:
     locked. A dead process's lock file is removed."""
     path = _token_path(directory, token)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO of that name does not block the open (no live
+        # process holds a flock on it: it is removed as a dead one's).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ELOOP):
             return False
