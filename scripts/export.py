@@ -246,7 +246,17 @@ class Placement:
         return sorted(f for f, i in self.at.items() if i == index)
 
 
-def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placement:
+def used_by_other_releases(release, files: dict[str, str]) -> frozenset[str]:
+    """Support files under tests/ (not tests) that the patches of another release import."""
+    texts = [p.read_text() for d in release.series_dir.parent.glob("v*")
+             if d != release.series_dir for p in sorted(d.glob("*.patch"))]
+    return frozenset(rel for rel in files
+                     if is_test_side(rel) and not is_test_file(rel)
+                     and (m := module_of(rel)) and any(m in t for t in texts))
+
+
+def place_overlay(files: dict[str, str], patch_refs: list[set[str]],
+                  elsewhere: frozenset[str] = frozenset()) -> Placement:
     """The rule (docs/CONTRIBUTING.md, "Export a patch as an upstream PR"):
 
     - a file outside tests/ goes into the first patch that uses it: code of a file the patch
@@ -264,7 +274,9 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
       that needs them;
     - unused: a compat module (compat.py, _compat.py, compat/) is dropped (the release needs
       none); a directory of the overlay none of whose files the release uses is a topic the
-      release does not carry and is dropped; any other unused file is an error.
+      release does not carry and is dropped; a support file under tests/ that only other
+      releases' patches import (`elsewhere`: checks those releases' tests run on their own
+      objects) is dropped; any other unused file is an error.
     """
     modules = {m: rel for rel in files if (m := module_of(rel))}
     paths = set(files)
@@ -364,6 +376,8 @@ def place_overlay(files: dict[str, str], patch_refs: list[set[str]]) -> Placemen
         elif all(t in placed.dropped for t in files if is_test_file(t) and rel in closure(t)) \
                 and any(is_test_file(t) and rel in closure(t) for t in files):
             placed.dropped[rel] = "used only by tests this release does not carry"
+        elif rel in elsewhere and not any(is_test_file(t) and rel in closure(t) for t in files):
+            placed.dropped[rel] = "used only by the tests of other releases' patches"
         else:
             orphans.append(rel)
     at.update(tests_at)
@@ -630,7 +644,7 @@ def export(release, out: Path, draft: bool = False,
     refs = [patch_references(tree, c, modules, set(files)) for c in topics]
     for i, tests in tests_named_in_series(release, set(files)).items():
         refs[i] |= tests
-    placed = place_overlay(files, refs)
+    placed = place_overlay(files, refs, used_by_other_releases(release, files))
     variants = export_variants(release, set(files))
     exported, stripped = build_commits(tree, release.tag, topics, placed, name, email,
                                        variants)
