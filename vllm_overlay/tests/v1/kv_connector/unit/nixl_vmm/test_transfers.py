@@ -18,6 +18,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 
     finish,
     make_read,
     producer_fixture,
+    read_block,
     reader_fixture,
 )
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
@@ -99,14 +100,7 @@ def test_a_drop_waits_for_the_reads_before_it_and_not_for_later_ones(producer):
     try:
         importer = connect(reads, producer, 2)
         dst = np.zeros(2 * BLOCK, dtype=np.uint8)
-        before = make_read(
-            reads,
-            producer.name,
-            rows(dst.ctypes.data, [0]),
-            rows(producer.base, [3]),
-            b"",
-            Notifs(),
-        )
+        before = read_block(reads, producer, dst[:BLOCK], 3)
         assert before.post() == "PROC"
         unmapping = threading.Thread(target=table.unmap_pages, args=([0],))
         unmapping.start()
@@ -114,14 +108,7 @@ def test_a_drop_waits_for_the_reads_before_it_and_not_for_later_ones(producer):
         assert unmapping.is_alive()
         # A read of the other page while the drop waits, still in flight
         # when the read before the drop is over.
-        later = make_read(
-            reads,
-            producer.name,
-            rows(dst.ctypes.data, [1]),
-            rows(producer.base, [9]),
-            b"",
-            Notifs(),
-        )
+        later = read_block(reads, producer, dst[BLOCK:], 9)
         assert later.post() == "PROC"
         copier.gate.set()
         assert finish(before) == "DONE"
