@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
-    Descs,
     IN_FLIGHT,
+    Descs,
     XferHandle,
 )
 from vllm.v1.kv_vmm.backend import VmmError
