@@ -26,7 +26,6 @@ from vllm.v1.kv_vmm.kv_layout import (
     verify_vmm_kv_config,
     virtual_kv_cache_config,
 )
-from vllm.v1.kv_vmm.ledger_format import MAX_LEDGER_BYTES
 from vllm.v1.kv_vmm.page_policy import (
     HOST_DEVICE_KEY,
     KV_PAGE_GRANULARITY,
@@ -173,6 +172,11 @@ def _check_one_of(max_pages: object, max_bytes: object) -> None:
         )
 
 
+#: The largest runtime page limit, in pages or bytes: beyond any device, and
+#: within what a request to the engine core can carry.
+MAX_PAGE_LIMIT = 1 << 60
+
+
 def kv_page_limit_arguments(
     max_pages: int | None = None, max_bytes: int | None = None
 ) -> tuple[int | None, int | None]:
@@ -198,10 +202,9 @@ def kv_page_limit_arguments(
                 f"{name} must be at least 1 (the KV cache keeps the null "
                 f"block's page mapped); got {value}"
             )
-        if value > MAX_LEDGER_BYTES:
-            # No device has that much; nor could it reach the engine core.
+        if value > MAX_PAGE_LIMIT:
             raise ValueError(
-                f"{name} must be at most {MAX_LEDGER_BYTES}; got {value} (a "
+                f"{name} must be at most {MAX_PAGE_LIMIT}; got {value} (a "
                 "limit beyond the KV cache's capacity is lowered to it)"
             )
     return max_pages, max_bytes
