@@ -62,6 +62,10 @@ def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> np.ndarra
     return runs
 
 
+def _column(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Runs:
     """A read's copies as three columns (uint64, contiguous): ``nbytes[i]``
@@ -74,9 +78,9 @@ class Runs:
     nbytes: np.ndarray
 
     def __post_init__(self) -> None:
-        for name in ("dst", "src", "nbytes"):
-            column = np.ascontiguousarray(getattr(self, name), dtype=np.uint64)
-            object.__setattr__(self, name, column.reshape(-1))
+        object.__setattr__(self, "dst", _column(self.dst))
+        object.__setattr__(self, "src", _column(self.src))
+        object.__setattr__(self, "nbytes", _column(self.nbytes))
         if not len(self.dst) == len(self.src) == len(self.nbytes):
             raise ValueError("copy runs: columns of different lengths")
 
