@@ -80,9 +80,14 @@ def _copy_runs_kernel(base_ptr, pieces_ptr, num_pieces, WORDS_PER_ITER: tl.const
             tl.store(base_ptr + dst + offs, words, mask=mask)
 
 
+def _piece_counts(runs: Runs, piece_bytes: int) -> np.ndarray:
+    """How many pieces of at most ``piece_bytes`` each run is cut into."""
+    return np.maximum((runs.nbytes + piece_bytes - 1) // piece_bytes, 1)
+
+
 def split_runs(runs: Runs, piece_bytes: int = PIECE_BYTES) -> Runs:
     """``runs`` cut into pieces of at most ``piece_bytes``."""
-    counts = np.maximum((runs.nbytes + piece_bytes - 1) // piece_bytes, 1)
+    counts = _piece_counts(runs, piece_bytes)
     owner = np.repeat(np.arange(len(runs)), counts.astype(np.int64))
     first = np.repeat(np.cumsum(counts) - counts, counts.astype(np.int64))
     offset = (np.arange(len(owner), dtype=np.uint64) - first) * np.uint64(piece_bytes)
@@ -118,8 +123,7 @@ def num_pieces(runs: Runs) -> int:
     """How many pieces :func:`kernel_pieces` makes of ``runs``."""
     if not len(runs) or int(runs.nbytes.max()) <= PIECE_BYTES:
         return len(runs)
-    counts = (runs.nbytes + PIECE_BYTES - 1) // PIECE_BYTES
-    return int(np.maximum(counts, 1).sum())
+    return int(_piece_counts(runs, PIECE_BYTES).sum())
 
 
 @dataclass
