@@ -56,8 +56,8 @@ def pieces_on_device(cc, runs, base: torch.Tensor, piece_bytes: int):
     """The kernel's pieces of ``runs`` (``copies.Runs``) cut into pieces of
     ``piece_bytes`` (at most the module's own piece size, so ``kernel_pieces`` cuts no
     further), on the device, and how many there are."""
-    pieces = cc.kernel_pieces(cc.split_runs(runs, piece_bytes), base.data_ptr())
-    return torch.from_numpy(pieces).to(base.device).contiguous(), pieces.shape[1]
+    words = cc.kernel_pieces(cc.split_runs(runs, piece_bytes), base.data_ptr())
+    return torch.from_numpy(words).to(base.device).contiguous(), int(words[0])
 
 
 def sweep(cc, name: str, base: torch.Tensor, rng) -> list[dict]:
@@ -124,6 +124,7 @@ def beside_gemms(cc, base: torch.Tensor, rng) -> dict:
 
     alone = timed(gemms, gemm_stream)
     copier = cc.RunCopier(torch.device("cuda:0"))
+    copier.warm_up(copy_stream.cuda_stream)
     pieces, n = pieces_on_device(cc, runs, base, cc.PIECE_BYTES)
     nbytes = per_read * block
     launches = {

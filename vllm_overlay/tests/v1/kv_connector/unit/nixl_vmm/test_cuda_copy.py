@@ -86,10 +86,12 @@ def test_kernel_copies_every_run_and_nothing_else():
                          [d + 8192, s + 8192, 2 * cc.PIECE_BYTES + 512],
                          [d + 600000, s + 600000, 4096 + 48],
                          [d + 700000, s + 800000, 16]], dtype=np.uint64)
-        pieces = torch.from_numpy(cc.kernel_pieces(Runs.of(runs), base.data_ptr()))
+        # Columns longer than the pieces (a slot of a larger read's size).
+        pieces = torch.from_numpy(
+            cc.kernel_pieces(Runs.of(runs), base.data_ptr(), capacity=16))
+        n = int(pieces[0])
         # Fewer programs than pieces: each copies several, in turn.
-        n = pieces.shape[1]
-        kernel[(2,)](base, pieces.contiguous(), n, WORDS_PER_ITER=512)
+        kernel[(2,)](base, pieces, 16, WORDS_PER_ITER=512)
         want = torch.full_like(dst, -1)
         for r in runs.tolist():
             want[r[0] - d >> 3 : r[0] - d + r[2] >> 3] = src[
@@ -120,24 +122,36 @@ def test_kernel_pieces_of_short_runs_need_no_cut():
     as they are, in words from the base."""
     runs = Runs.of(np.array([[4096, 8192, 32], [1024, 2048, PIECE_BYTES]]))
     pieces = kernel_pieces(runs, 1024)
-    # Columns: dst, src, nwords.
-    assert pieces.tolist() == [[384, 0], [896, 128], [4, PIECE_BYTES // 8]]
+    # The number of pieces, then the columns dst, src, nwords.
+    assert pieces.tolist() == [2, 384, 0, 896, 128, 4, PIECE_BYTES // 8]
     long = Runs.of(np.array([[1024, 2048, PIECE_BYTES + 16]]))
-    assert kernel_pieces(long, 1024).shape == (3, 2)
+    assert kernel_pieces(long, 1024)[0] == 2
     # Into a buffer's first words, as a launch uploads them.
     out = np.full(12, -1, dtype=np.int64)
     kernel_pieces(runs, 1024, out=out)
-    assert out.tolist() == [384, 0, 896, 128, 4, PIECE_BYTES // 8] + [-1] * 6
+    assert out.tolist() == [2, 384, 0, 896, 128, 4, PIECE_BYTES // 8] + [-1] * 5
+    # Columns of a slot's capacity: a captured launch reads them at fixed
+    # places, whatever the read's size.
+    out = np.full(12, -1, dtype=np.int64)
+    kernel_pieces(runs, 1024, out=out, capacity=3)
+    assert out[:10].tolist() == [2, 384, 0, -1, 896, 128, -1, 4, PIECE_BYTES // 8, -1]
+    assert out[10:].tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel_pieces(runs, 1024, capacity=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_queued_launches_keep_their_own_pieces():
-    """Reads queued on one stream, more than the copier has upload buffers
-    and of growing and shrinking sizes, each copy exactly their runs (a
-    buffer reused before its upload ran would copy another read's runs)."""
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "triton"])
+def test_queued_launches_keep_their_own_pieces(graphs: bool):
+    """Reads queued on one stream, more than the copier has upload slots of
+    their size and of growing and shrinking sizes, each copy exactly their
+    runs (a slot reused before its upload ran would copy another read's
+    runs; a captured launch that read a size fixed at capture would copy
+    too many or too few), launched through captured graphs or Triton."""
     device = torch.device("cuda:0")
-    copier = RunCopier(device)
+    copier = RunCopier(device, graphs=graphs)
     stream = torch.cuda.Stream(device)
+    copier.warm_up(stream.cuda_stream)
     block = 256
     src = torch.arange(1 << 20, dtype=torch.int64, device=device)
     nblocks = src.numel() * 8 // block
@@ -146,7 +160,7 @@ def test_queued_launches_keep_their_own_pieces():
     with torch.cuda.stream(stream):
         # Work ahead of the reads, so they queue behind it.
         torch.cuda._sleep(10_000_000)
-        for k in (3, 2000, 5, 3000, 7, 1, 4000, 9, 2500):
+        for k in (3, 2000, 5, 3000, 7, 1, 4000, 9, 2500, 11, 1024, 1025, 13):
             ids = rng.choice(nblocks, k, replace=False)
             dst = torch.full_like(src, -1)
             runs = Runs(
@@ -157,9 +171,14 @@ def test_queued_launches_keep_their_own_pieces():
             copier.launch(runs, stream.cuda_stream)
             reads.append((ids, dst))
     stream.synchronize()
+    # No capture failed (it would have turned graphs off).
+    assert copier.graphs is graphs
+    captured = [slot.graph is not None for v in copier._slots.values() for slot in v]
+    assert any(captured) if graphs else not any(captured)
     words = block // 8
     for ids, dst in reads:
         want = torch.full_like(src, -1).view(-1, words)
         index = torch.from_numpy(ids).to(device)
         want[index] = src.view(-1, words)[index]
         assert torch.equal(dst.view(-1, words), want)
+    copier.close()

@@ -258,11 +258,18 @@ class DeviceCopier(Copier):
             self.stream.copy(runs.coalesced())
         return _EventJob(self.stream, self.stream.record())
 
+    def close(self) -> None:
+        if self.kernel is not None:
+            self.kernel.close()
 
-def copier_for(backend: VmmBackend, copy_kernel: bool = True) -> Copier:
+
+def copier_for(
+    backend: VmmBackend, copy_kernel: bool = True, graphs: bool = True
+) -> Copier:
     """How a reader whose KV memory is ``backend``'s copies: on the device
     where the backend has a copy stream, else on the host. ``copy_kernel``
-    False keeps device copies to the copy engines (to compare them)."""
+    False keeps device copies to the copy engines, ``graphs`` False launches
+    the copy kernel through Triton at every read (both to compare)."""
     stream = backend.copy_stream()
     if stream is None:
         return HostCopier()
@@ -274,7 +281,7 @@ def copier_for(backend: VmmBackend, copy_kernel: bool = True) -> Copier:
     )
 
     try:
-        kernel = RunCopier(backend.device)
+        kernel = RunCopier(backend.device, graphs=graphs)
         kernel.warm_up(stream.handle)
     except CopyKernelUnavailable as e:
         logger.info(
