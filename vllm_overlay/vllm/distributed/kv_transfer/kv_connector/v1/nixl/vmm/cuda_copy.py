@@ -283,9 +283,7 @@ class RunCopier:
                 graph = self._check(
                     drv.cuStreamEndCapture(stream), "cuStreamEndCapture"
                 )
-            return self._check(
-                drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"
-            )
+            return self._check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         except _kernel_errors() as e:
             logger.info(
                 "Same-host KV reads launch the copy kernel without CUDA graphs "
