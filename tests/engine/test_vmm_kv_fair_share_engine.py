@@ -1,14 +1,12 @@
 """Two engines over-subscribing one device's KV memory share it fairly (CPU, host VMM backend).
 
 Two real vLLM 0.32.0 engines join the host's KV memory ledger, whose capacity (set with the
-ledger CLI) is 10 pages while each engine keeps asking for more than that: 4 requests of 960
+ledger CLI) is 10 pages while each engine keeps asking for more than that: 4 requests of 700
 prompt tokens running (max_num_seqs) and 4 more waiting, a new one as soon as one finishes;
 each engine's floor is one page. With the fair share (--kv-cache-vmm-share-policy fair, the
 default), at equal weights each engine's share is half of the capacity. After
-`ledger_cli set ENGINE --weight 3` engine a's weighted part is 3/4 (7.5 pages), less than its
-4 running requests use (8 pages of 4 blocks; with 700-token prompts they used about 6, and an
-engine's want, in use plus waiting, sat on the border between 5 and 6 whole pages), so its
-share is its weighted part and engine b gets the rest.
+`ledger_cli set ENGINE --weight 3` engine a's weighted part is 3/4 (7.5 pages), more than its
+4 running requests use (about 6 pages): max-min gives it what it wants and engine b the rest.
 
 Bound (asserted): from 4 s after the shares were set (both engines busy, or the weight
 changed) to the end of that phase (10 s), each engine's share (fair_shares of the ledger, in
@@ -34,7 +32,7 @@ from test_vmm_kv_shared_engine import ledger_dir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.engine
 
-PROMPT_TOKENS = 960
+PROMPT_TOKENS = 700
 MAX_TOKENS = 24
 OUTSTANDING = 8  # per engine: 4 running (max_num_seqs), 4 waiting
 CAPACITY_PAGES = 10
