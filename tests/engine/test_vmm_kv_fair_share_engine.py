@@ -2,11 +2,12 @@
 
 Two real vLLM 0.32.0 engines join the host's KV memory ledger, whose capacity (set with the
 ledger CLI) is 10 pages while each engine keeps asking for more than that: 4 requests of 700
-prompt tokens running (max_num_seqs) and 4 more waiting, a new one as soon as one finishes;
-each engine's floor is one page. With the fair share (--kv-cache-vmm-share-policy fair, the
-default), at equal weights each engine's share is half of the capacity. After
-`ledger_cli set ENGINE --weight 3` engine a's weighted part is 3/4 (7.5 pages), more than its
-4 running requests use (about 6 pages): max-min gives it what it wants and engine b the rest.
+prompt tokens running (max_num_seqs) and 4 more waiting, a new one as soon as one finishes
+(each engine driven by a thread of its own); each engine's floor is one page. With the fair
+share (--kv-cache-vmm-share-policy fair, the default), at equal weights each engine's share is
+half of the capacity. After `ledger_cli set ENGINE --weight 3` engine a's weighted part is 3/4
+(7.5 pages), about what its requests want (4 running of about 6 pages, and the next one
+waiting for a slot): max-min gives it what it wants, up to 7.5 pages, and engine b the rest.
 
 Bound (asserted): from 4 s after the shares were set (both engines busy, or the weight
 changed) to the end of that phase (10 s), each engine's share (fair_shares of the ledger, in
@@ -23,6 +24,7 @@ preempted for pages are recomputed).
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -91,33 +93,54 @@ class Driver:
         self.engines[name].add_request(
             request_id, {"prompt_token_ids": self.prompts[request_id]}, self.params)
 
-    def step(self) -> None:
+    def _step_engine(self, name: str) -> None:
+        """Top up ``name``'s requests, take one step's outputs and sample its ledger entry."""
         from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 
-        for name, engine in self.engines.items():
-            while self.adding and len(self.open[name]) < OUTSTANDING:
-                self._add(name)
-            if not self.open[name]:
-                continue
-            outputs = engine.step()
-            now = time.monotonic()
-            for out in outputs:
-                if out.outputs and out.outputs[0].token_ids:
-                    self.produced[name].append(now)
-                if out.finished:
-                    self.tokens[out.request_id] = list(out.outputs[0].token_ids)
-                    self.finished.add(out.request_id)
-                    self.open[name].discard(out.request_id)
-            state = KVMemoryLedger("host", str(self.ledger_dir)).read()
-            entry = next(e for e in state.entries if e.id == self.engine_ids[name])
-            share = state.shares()[entry.id]
-            self.samples[name].append((now, entry.mapped_bytes // self.page,
-                                       share // self.page))
+        engine = self.engines[name]
+        while self.adding and len(self.open[name]) < OUTSTANDING:
+            self._add(name)
+        if not self.open[name]:
+            return
+        outputs = engine.step()
+        now = time.monotonic()
+        for out in outputs:
+            if out.outputs and out.outputs[0].token_ids:
+                self.produced[name].append(now)
+            if out.finished:
+                self.tokens[out.request_id] = list(out.outputs[0].token_ids)
+                self.finished.add(out.request_id)
+                self.open[name].discard(out.request_id)
+        state = KVMemoryLedger("host", str(self.ledger_dir)).read()
+        entry = next(e for e in state.entries if e.id == self.engine_ids[name])
+        share = state.shares()[entry.id]
+        self.samples[name].append((now, entry.mapped_bytes // self.page, share // self.page))
+
+    def step(self) -> None:
+        for name in self.engines:
+            self._step_engine(name)
 
     def run(self, seconds: float) -> tuple[float, float]:
+        """Each engine driven by a thread of its own for ``seconds``: an engine's step
+        returns one batch of its outputs, so a driver that stepped the engines in turn
+        would read a faster engine's outputs late and let its queue run dry."""
         start = time.monotonic()
-        while time.monotonic() - start < seconds:
-            self.step()
+        errors: list[BaseException] = []
+
+        def drive(name: str) -> None:
+            try:
+                while time.monotonic() - start < seconds and not errors:
+                    self._step_engine(name)
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=drive, args=(name,)) for name in self.engines]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
         return start, time.monotonic()
 
     def check_phase(self, start: float, end: float,

@@ -106,6 +106,48 @@ def test_demand_and_weight_are_published(ledger_base):
     a.close()
 
 
+def test_requests_waiting_for_free_blocks_keep_the_want(ledger_base):
+    """An engine whose requests just finished holds free blocks that its
+    next requests will fill: its want (used + waiting) counts them, without
+    it waiting for memory, so its share does not drop at every turnover of
+    its requests."""
+    clock = Clock()
+    a = make_pool("a", clock)
+    held = hold(a, 3 * BPP)
+    step(a, clock)
+    a.free_blocks(held)
+    # Two requests of 4 blocks each wait for a running slot; they fit in the
+    # free blocks.
+    assert a.get_num_free_blocks() >= 2 * BPP
+    a.note_waiting([Waiting(16 * BPP)] * 3, 2, 16)
+    step(a, clock)
+    e = entry("a")
+    assert e.used_bytes == 0
+    assert e.waiting_bytes == 2 * PAGE and e.waiting_since is None
+    assert e.demand().demand_bytes == 2 * PAGE
+    # More than the free blocks: it waits for memory.
+    wait_for(a, a.get_num_free_blocks() + 1)
+    step(a, clock)
+    assert entry("a").waiting_since is not None
+    a.close()
+
+
+def test_a_prompt_prefilled_in_chunks_wants_its_whole_prompt(ledger_base):
+    """A running request that holds the blocks of its first chunk only
+    wants the rest of its prompt's blocks too: its want does not drop while
+    its prefill goes on in chunks."""
+    clock = Clock()
+    a = make_pool("a", clock)
+    held = hold(a, BPP)  # the first chunk of a prompt of 3 pages
+    a.note_waiting([], 0, 16, running=[Waiting(16 * 3 * BPP)])
+    step(a, clock)
+    e = entry("a")
+    assert e.used_bytes == PAGE and e.waiting_bytes == 2 * PAGE
+    assert e.demand().demand_bytes == 3 * PAGE
+    a.free_blocks(held)
+    a.close()
+
+
 def start_waiting_engine(clock: Clock) -> FairSharePagedBlockPool:
     """Engine B joins the ledger with requests of 10 pages' worth waiting,
     and publishes its demand at its first step."""

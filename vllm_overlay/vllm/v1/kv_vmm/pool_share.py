@@ -135,8 +135,9 @@ class FairSharePagedBlockPool(PagedBlockPool):
         self._share_limit: int | None = None
         self._share_reclaim = 0
         self._share_preempt = False
-        # What the waiting requests need beyond the free blocks, and since
-        # when they have (the host's monotonic clock).
+        # What the waiting requests that could start need (in blocks), and
+        # since when that has been more than the free blocks (the host's
+        # monotonic clock).
         self._waiting_blocks = 0
         self._waiting_since: float | None = None
 
@@ -229,22 +230,35 @@ class FairSharePagedBlockPool(PagedBlockPool):
         max_requests: int,
         block_size: int,
         num_groups: int = 1,
+        running: Iterable[Any] = (),
     ) -> None:
-        """The scheduler's call after it admitted what it could: the first
-        ``max_requests`` waiting requests (the running ones' free slots)
-        with their tokens in blocks of ``block_size`` in each of the
-        ``num_groups`` KV cache groups, beyond the free blocks, is what
-        this engine waits for (a cheap estimate: prefix cache hits are not
-        looked up)."""
+        """The scheduler's call after it admitted what it could: what this
+        engine wants beside the blocks in use is the blocks its requests
+        need to run unhindered (their tokens in blocks of ``block_size`` in
+        each of the ``num_groups`` KV cache groups): the ``running`` ones'
+        beyond the blocks in use (a prompt prefilled in chunks holds the
+        blocks of its first chunks only) and the first ``max_requests``
+        waiting ``requests`` (the running ones' free slots). It waits for
+        memory while that is more than its free blocks. A cheap estimate:
+        prefix cache hits are not looked up.
+
+        All of it counts, not only what the free blocks lack: an engine
+        whose requests just finished holds free blocks that its next
+        requests will fill, and a want of what is in use alone would
+        shrink its share at every turnover of its requests.
+        """
         if self._fair is None:
             return
-        need = sum(
-            -(-request.num_tokens // block_size) * num_groups
-            for request in itertools.islice(requests, max(max_requests, 0))
-        )
+
+        def blocks(reqs: Iterable[Any]) -> int:
+            return sum(-(-r.num_tokens // block_size) * num_groups for r in reqs)
+
+        in_use = self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
+        to_come = max(blocks(running) - in_use, 0)
+        need = to_come + blocks(itertools.islice(requests, max(max_requests, 0)))
         free = self.free_block_queue.num_free_blocks + self._inflight_blocks()
-        self._waiting_blocks = max(need - free, 0)
-        if not self._waiting_blocks:
+        self._waiting_blocks = need
+        if need <= free:
             self._waiting_since = None
         elif self._waiting_since is None:
             self._waiting_since = self.clock()
