@@ -32,8 +32,9 @@ class EngineDemand:
     used_bytes: int = 0
     """Held by its running requests (pages with a block in use)."""
     waiting_bytes: int = 0
-    """What its waiting requests need to be admitted, beyond its free
-    memory (an estimate: their tokens in blocks)."""
+    """What its requests need beyond what is in use: the waiting requests
+    that could start and the running ones' blocks still to come (an
+    estimate: their tokens in blocks)."""
     waiting_since: float | None = None
     """Since when requests of it have waited for KV memory, on the host's
     monotonic clock (``time.monotonic()``, one clock for every process of a
