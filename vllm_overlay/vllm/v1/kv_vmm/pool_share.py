@@ -135,8 +135,9 @@ class FairSharePagedBlockPool(PagedBlockPool):
         self._share_limit: int | None = None
         self._share_reclaim = 0
         self._share_preempt = False
-        # What the waiting requests that could start need (in blocks), and
-        # since when that has been more than the free blocks (the host's
+        # What the requests need beyond the blocks in use (in blocks: the
+        # running ones' still to come, the waiting ones that could start),
+        # and since when that has been more than the free blocks (the host's
         # monotonic clock).
         self._waiting_blocks = 0
         self._waiting_since: float | None = None
@@ -172,6 +173,11 @@ class FairSharePagedBlockPool(PagedBlockPool):
             reclaim.bytes_per_s,
             reclaim.preempt_delay_s,
         )
+
+    @property
+    def _blocks_in_use(self) -> int:
+        """Blocks that requests hold (the null block not counted)."""
+        return self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
 
     def _share_surplus(self) -> list[int]:
         """Free pages the fair share can take back: beyond a step's worth of
@@ -216,7 +222,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         if self._fair is None:
             return
         bpp = self.policy.blocks_per_page
-        used = self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
+        used = self._blocks_in_use
         self._fair.publish(
             self.clock(),
             -(-max(used, 0) // bpp),
@@ -253,8 +259,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         def blocks(reqs: Iterable[Any]) -> int:
             return sum(-(-r.num_tokens // block_size) * num_groups for r in reqs)
 
-        in_use = self._num_mapped_blocks - 1 - self.free_block_queue.num_free_blocks
-        to_come = max(blocks(running) - in_use, 0)
+        to_come = max(blocks(running) - self._blocks_in_use, 0)
         need = to_come + blocks(itertools.islice(requests, max(max_requests, 0)))
         free = self.free_block_queue.num_free_blocks + self._inflight_blocks()
         self._waiting_blocks = need
