@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--backend", choices=["default", "vmm"], required=True)
     p.add_argument("--model", required=True, help="model config directory (dummy weights)")
     p.add_argument("--json", type=Path, required=True)
-    p.add_argument("--requests", type=int, default=8, help="timed requests (default 8)")
+    p.add_argument("--requests", type=int, default=24, help="timed requests (default 24)")
     p.add_argument("--prompt-len", type=int, default=4000)
     p.add_argument("--vmm-args", metavar="JSON", default="{}",
                    help="engine arguments of both instances with --backend vmm")

@@ -5,6 +5,7 @@
 export of an allocation, on a real device (GPU hosts only); the driver calls
 of the context, import and copy stream on a fake driver (everywhere)."""
 
+import ctypes
 import inspect
 import os
 import subprocess
@@ -223,8 +224,10 @@ def test_cuda_import_binds_the_thread_and_gives_back_what_a_failure_left(
 
 def test_cuda_copy_stream_batches_copies_and_polls_events(monkeypatch):
     """CudaVmmBackend.copy_stream on a fake driver: one cuMemcpyBatchAsync per
-    call (one cuMemcpyAsync per run with bindings that have no batch), an
-    event per record, NOT_READY as "not yet"."""
+    call, through ctypes with the address and size columns where the driver
+    has it (a fake function reads them here), else through the bindings (one
+    cuMemcpyAsync per run with bindings that have no batch); a failed batch
+    names the call; events are reused once freed; NOT_READY is "not yet"."""
     drv = _fake_driver(0)
     drv.cuStreamCreate.return_value = (0, 0x55)
     drv.cuMemcpyBatchAsync.return_value = (0,)
@@ -234,14 +237,31 @@ def test_cuda_copy_stream_batches_copies_and_polls_events(monkeypatch):
     drv.cuEventRecord.return_value = (0,)
     drv.cuEventDestroy.return_value = (0,)
     monkeypatch.setattr(cuda, "_driver", lambda: drv)
+    batches, result = [], [0]
+
+    def batch(dsts, srcs, sizes, count, attrs, attrs_idx, num_attrs, fail, stream):
+        def column(addr):
+            return list((ctypes.c_uint64 * count).from_address(addr))
+
+        order = cuda._MemcpyAttributes.from_address(attrs).srcAccessOrder
+        idx = ctypes.c_size_t.from_address(attrs_idx).value
+        batches.append(
+            (column(dsts), column(srcs), column(sizes), order, idx, num_attrs, stream)
+        )
+        return result[0]
+
+    monkeypatch.setattr(cuda, "_batch_copy_fn", lambda: batch)
     backend = cuda.CudaVmmBackend("cuda:0")
     runs = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint64)
     stream = backend.copy_stream()
-    assert stream.handle == 0x55
+    assert stream.handle == 0x55 and stream.batched
     stream.copy(runs)
-    args = drv.cuMemcpyBatchAsync.call_args.args
-    assert args[:4] == ([("ptr", 1), ("ptr", 4)], [("ptr", 2), ("ptr", 5)], [3, 6], 2)
-    assert args[-1] == 0x55
+    assert batches == [([1, 4], [2, 5], [3, 6], 1, 0, 1, 0x55)]
+    drv.cuMemcpyBatchAsync.assert_not_called()
+    result[0] = 1
+    with pytest.raises(VmmError, match="cuMemcpyBatchAsync of 2 copies"):
+        stream.copy(runs)
+
     event = stream.record()
     drv.cuEventRecord.assert_called_once_with("event", 0x55)
     drv.cuEventQuery.return_value = (drv.CUresult.CUDA_ERROR_NOT_READY,)
@@ -249,8 +269,17 @@ def test_cuda_copy_stream_batches_copies_and_polls_events(monkeypatch):
     drv.cuEventQuery.return_value = (0,)
     assert stream.query(event)
     stream.free(event)
-    drv.cuEventDestroy.assert_called_once_with("event")
+    assert stream.record() == "event"
+    drv.cuEventCreate.assert_called_once()
+    drv.cuEventDestroy.assert_not_called()
 
+    monkeypatch.setattr(cuda, "_batch_copy_fn", lambda: None)  # before CUDA 12.8
+    stream = backend.copy_stream()
+    assert not stream.batched
+    stream.copy(runs)
+    args = drv.cuMemcpyBatchAsync.call_args.args
+    assert args[:4] == ([("ptr", 1), ("ptr", 4)], [("ptr", 2), ("ptr", 5)], [3, 6], 2)
+    assert args[-1] == 0x55
     del drv.cuMemcpyBatchAsync  # bindings before CUDA 12.8
     backend.copy_stream().copy(runs)
     assert [c.args for c in drv.cuMemcpyAsync.call_args_list] == [

@@ -69,6 +69,12 @@ class DeviceCopyStream(ABC):
         """Enqueue the ``(dst, src, nbytes)`` rows of ``runs`` as copy-engine
         copies."""
 
+    @property
+    def batched(self) -> bool:
+        """Whether :meth:`copy` enqueues any number of rows with one driver
+        call and no per-row work on the host."""
+        return False
+
     @abstractmethod
     def record(self) -> object:
         """An event that completes once everything enqueued so far did."""
@@ -84,7 +90,8 @@ class DeviceCopyStream(ABC):
 
     @abstractmethod
     def free(self, event: object) -> None:
-        """Destroy an event of :meth:`record`."""
+        """Give an event of :meth:`record` back (once it completed); the
+        stream may reuse it."""
 
 
 class VmmBackend(ABC):

@@ -312,11 +312,74 @@ class CudaVmmBackend(VmmBackend):
             self._primary_ctx = None
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` of cuda.h."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+# cuMemcpyBatchAsync as CUDA 12.8 introduced it (with failIdx; CUDA 13 keeps
+# the name for a signature without it): asked for by version, so the ABI
+# below holds whatever the driver's own version.
+_BATCH_ABI_VERSION = 12080
+_BatchFn = ctypes.CFUNCTYPE(
+    ctypes.c_int,  # CUresult
+    ctypes.c_void_p,  # CUdeviceptr *dsts
+    ctypes.c_void_p,  # CUdeviceptr *srcs
+    ctypes.c_void_p,  # size_t *sizes
+    ctypes.c_size_t,  # count
+    ctypes.c_void_p,  # CUmemcpyAttributes *attrs
+    ctypes.c_void_p,  # size_t *attrsIdxs
+    ctypes.c_size_t,  # numAttrs
+    ctypes.c_void_p,  # size_t *failIdx
+    ctypes.c_void_p,  # CUstream
+)
+
+
+def _batch_copy_fn() -> Any:
+    """The driver's ``cuMemcpyBatchAsync`` (the 12.8 ABI) to call with the
+    copies' address and size columns as they are, or None where the driver
+    has none (before 12.8, or no ``cuGetProcAddress_v2``). The bindings take
+    a Python object per address: 2 ms of the engine's thread for a read of
+    512 blocks."""
+    try:
+        get = ctypes.CDLL("libcuda.so.1").cuGetProcAddress_v2
+    except (OSError, AttributeError):
+        return None
+    fn, status = ctypes.c_void_p(), ctypes.c_int()
+    err = get(
+        b"cuMemcpyBatchAsync",
+        ctypes.byref(fn),
+        ctypes.c_int(_BATCH_ABI_VERSION),
+        ctypes.c_uint64(0),
+        ctypes.byref(status),
+    )
+    if err or status.value or not fn.value:
+        return None
+    return _BatchFn(fn.value)
+
+
+# Events kept for reuse per stream: a read records one and frees it once over.
+_KEPT_EVENTS = 64
+
+
 class CudaCopyStream(DeviceCopyStream):
     """A non-blocking stream of the backend's device; copies are one
-    ``cuMemcpyBatchAsync`` per call (one ``cuMemcpyAsync`` per run with
-    driver bindings before CUDA 12.8). Each call makes the device's primary
-    context current on a thread that has none (``bind_thread``)."""
+    ``cuMemcpyBatchAsync`` per call, through ctypes with the columns as
+    they are where the driver has it, else through the bindings (one
+    ``cuMemcpyAsync`` per run with bindings before CUDA 12.8). Events are
+    reused once freed. Each call makes the device's primary context
+    current on a thread that has none (``bind_thread``)."""
 
     def __init__(self, backend: CudaVmmBackend) -> None:
         self._backend = backend
@@ -326,49 +389,94 @@ class CudaCopyStream(DeviceCopyStream):
             drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
             "cuStreamCreate",
         )
+        self._batch_fn = _batch_copy_fn()
         # Older cuda-bindings releases have no batched copy.
         self._batch = getattr(drv, "cuMemcpyBatchAsync", None)
         self._attrs: list[Any] | None = None
+        self._c_attrs = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        self._c_attrs_idx = ctypes.c_size_t(0)
+        self._fail_idx = ctypes.c_size_t(0)
+        self._free_events: list[Any] = []
 
     @property
     def handle(self) -> int:
         return int(self._stream)
 
+    @property
+    def batched(self) -> bool:
+        return self._batch_fn is not None
+
     def copy(self, runs: "np.ndarray") -> None:
-        drv, check = self._backend._drv, self._backend._check
         self._backend.bind_thread()
-        rows = runs.tolist()
-        if rows and self._batch is not None:
-            if self._attrs is None:
-                attrs = drv.CUmemcpyAttributes()
-                attrs.srcAccessOrder = (
-                    drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-                )
-                self._attrs = [attrs]
-            check(
-                self._batch(
-                    [drv.CUdeviceptr(r[0]) for r in rows],
-                    [drv.CUdeviceptr(r[1]) for r in rows],
-                    [r[2] for r in rows],
-                    len(rows),
-                    self._attrs,
-                    [0],
-                    1,
-                    self._stream,
-                ),
-                "cuMemcpyBatchAsync",
-            )
+        if not len(runs):
             return
-        for dst, src, n in rows:
-            check(drv.cuMemcpyAsync(dst, src, n, self._stream), "cuMemcpyAsync")
+        if self._batch_fn is not None:
+            self._copy_columns(runs)
+        elif self._batch is not None:
+            self._copy_bindings(runs.tolist())
+        else:
+            drv, check = self._backend._drv, self._backend._check
+            for dst, src, n in runs.tolist():
+                check(drv.cuMemcpyAsync(dst, src, n, self._stream), "cuMemcpyAsync")
+
+    def _copy_columns(self, runs: "np.ndarray") -> None:
+        """One ``cuMemcpyBatchAsync`` through ctypes: the three columns made
+        contiguous in one array, their addresses passed as they are."""
+        import numpy as np
+
+        cols = np.ascontiguousarray(runs.T, dtype=np.uint64)
+        n = cols.shape[1]
+        base, stride = cols.ctypes.data, cols.strides[0]
+        err = self._batch_fn(
+            base,
+            base + stride,
+            base + 2 * stride,
+            n,
+            ctypes.addressof(self._c_attrs),
+            ctypes.addressof(self._c_attrs_idx),
+            1,
+            ctypes.addressof(self._fail_idx),
+            self.handle,
+        )
+        if err:
+            drv = self._backend._drv
+            self._backend._check(
+                (drv.CUresult(err),),
+                f"cuMemcpyBatchAsync of {n} copies (copy {self._fail_idx.value})",
+            )
+
+    def _copy_bindings(self, rows: list[list[int]]) -> None:
+        drv, check = self._backend._drv, self._backend._check
+        if self._attrs is None:
+            attrs = drv.CUmemcpyAttributes()
+            attrs.srcAccessOrder = (
+                drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            )
+            self._attrs = [attrs]
+        check(
+            self._batch(
+                [drv.CUdeviceptr(r[0]) for r in rows],
+                [drv.CUdeviceptr(r[1]) for r in rows],
+                [r[2] for r in rows],
+                len(rows),
+                self._attrs,
+                [0],
+                1,
+                self._stream,
+            ),
+            "cuMemcpyBatchAsync",
+        )
 
     def record(self) -> Any:
         drv, check = self._backend._drv, self._backend._check
         self._backend.bind_thread()
-        event = check(
-            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-            "cuEventCreate",
-        )
+        try:
+            event = self._free_events.pop()
+        except IndexError:
+            event = check(
+                drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                "cuEventCreate",
+            )
         check(drv.cuEventRecord(event, self._stream), "cuEventRecord")
         return event
 
@@ -386,6 +494,11 @@ class CudaCopyStream(DeviceCopyStream):
         )
 
     def free(self, event: object) -> None:
+        """``event`` is kept for a later :meth:`record` (up to
+        :data:`_KEPT_EVENTS`; beyond them destroyed)."""
+        if len(self._free_events) < _KEPT_EVENTS:
+            self._free_events.append(event)
+            return
         self._backend._check(self._backend._drv.cuEventDestroy(event), "cuEventDestroy")
 
 

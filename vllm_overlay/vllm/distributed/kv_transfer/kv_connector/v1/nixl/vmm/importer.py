@@ -320,8 +320,9 @@ class ChunkImporter:
                 local_addrs = np.zeros(len(remote.addrs), dtype=np.uint64)
                 self._local_addrs[remote] = local_addrs
             addrs = np.take(local_addrs, indices)
-            missing = np.flatnonzero(addrs == 0)
-            if len(missing):
+            # One reduction where every descriptor was looked up before.
+            if len(addrs) and not addrs.min():
+                missing = np.flatnonzero(addrs == 0)
                 looked_up = self._look_up(remote, indices[missing])
                 if looked_up is None:
                     return None
