@@ -25,9 +25,6 @@ prompt's KV (one descriptor per block).
   enqueued as one ``cuMemcpyBatchAsync`` instead of the copy kernel.
 * ``vmm_triton`` (only with ``--modes``): ``vmm`` with the copy kernel
   launched through Triton at every read instead of as a captured CUDA graph.
-* ``vmm_kernel`` (only with ``--modes``): ``vmm`` with every read's copies
-  given to the copy kernel, large ones too (``vmm`` gives copies of 128 KiB or
-  more to the copy engines).
 * ``link``: the reader's device copies the same number of bytes out of one
   allocation of the owner's device in one copy: what the link between them
   moves (on the host: one memmove).
@@ -142,7 +139,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
     table = KVPageTable(backend, geometry, max_pages=geometry.num_pages)
     exporter = same_host = None
     secret = b""
-    if mode in ("vmm", "vmm_batch", "vmm_triton", "vmm_kernel"):
+    if mode in ("vmm", "vmm_batch", "vmm_triton"):
         # As NixlVmmWorker does: shared before the NIXL registry is attached.
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
             new_secret,
@@ -161,8 +158,7 @@ def _memory(mode: str, kind: str, device: int, nbytes: int, agent: Any):
         exporter = ChunkExporter(agent.name, secret)
         exporter.attach(table)
         copier = copier_for(backend, copy_kernel=mode != "vmm_batch",
-                            graphs=mode != "vmm_triton",
-                            large_to_copy_engines=mode != "vmm_kernel")
+                            graphs=mode != "vmm_triton")
         same_host = SameHostReads(backend, copier, agent.name)
     registry = NixlSegmentRegistry(agent, mem_type, dev_id)
     registry.attach(table)
@@ -441,7 +437,7 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
 
 
 MODES = ("stock", "vmm", "vmm_ucx", "link")
-OPTIONAL_MODES = ("vmm_batch", "vmm_triton", "vmm_kernel")
+OPTIONAL_MODES = ("vmm_batch", "vmm_triton")
 
 
 def main() -> None:

@@ -254,7 +254,7 @@ def test_cuda_copy_stream_batches_copies_and_polls_events(monkeypatch):
     backend = cuda.CudaVmmBackend("cuda:0")
     runs = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint64)
     stream = backend.copy_stream()
-    assert stream.handle == 0x55 and stream.batched
+    assert stream.handle == 0x55
     stream.copy(runs)
     assert batches == [([1, 4], [2, 5], [3, 6], 1, 0, 1, 0x55)]
     drv.cuMemcpyBatchAsync.assert_not_called()
@@ -274,9 +274,7 @@ def test_cuda_copy_stream_batches_copies_and_polls_events(monkeypatch):
     drv.cuEventDestroy.assert_not_called()
 
     monkeypatch.setattr(cuda, "_batch_copy_fn", lambda: None)  # before CUDA 12.8
-    stream = backend.copy_stream()
-    assert not stream.batched
-    stream.copy(runs)
+    backend.copy_stream().copy(runs)
     args = drv.cuMemcpyBatchAsync.call_args.args
     assert args[:4] == ([("ptr", 1), ("ptr", 4)], [("ptr", 2), ("ptr", 5)], [3, 6], 2)
     assert args[-1] == 0x55

@@ -69,12 +69,6 @@ class DeviceCopyStream(ABC):
         """Enqueue the ``(dst, src, nbytes)`` rows of ``runs`` as copy-engine
         copies."""
 
-    @property
-    def batched(self) -> bool:
-        """Whether :meth:`copy` enqueues any number of rows with one driver
-        call and no per-row work on the host."""
-        return False
-
     @abstractmethod
     def record(self) -> object:
         """An event that completes once everything enqueued so far did."""

@@ -350,8 +350,9 @@ def _batch_copy_fn() -> Any:
     """The driver's ``cuMemcpyBatchAsync`` (the 12.8 ABI) to call with the
     copies' address and size columns as they are, or None where the driver
     has none (before 12.8, or no ``cuGetProcAddress_v2``). The bindings take
-    a Python object per address: 2 ms of the engine's thread for a read of
-    512 blocks."""
+    a Python object per address; called this way, what is left is the
+    driver's own work, about 1 us per copy on a GPU host (docs/BENCHMARKS.md),
+    so same-host KV reads use it only where their copy kernel cannot run."""
     try:
         get = ctypes.CDLL("libcuda.so.1").cuGetProcAddress_v2
     except (OSError, AttributeError):
@@ -401,10 +402,6 @@ class CudaCopyStream(DeviceCopyStream):
     @property
     def handle(self) -> int:
         return int(self._stream)
-
-    @property
-    def batched(self) -> bool:
-        return self._batch_fn is not None
 
     def copy(self, runs: "np.ndarray") -> None:
         self._backend.bind_thread()

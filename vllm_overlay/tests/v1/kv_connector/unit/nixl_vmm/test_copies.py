@@ -149,8 +149,6 @@ class _FakeStream(DeviceCopyStream):
     under test here; tests/v1/kv_vmm/test_cuda_backend.py drives the CUDA
     stream's driver calls and the GPU test below the real device."""
 
-    batched = False
-
     def __init__(self):
         self.copied: list[list[int]] = []
         self.events: list[dict] = []
@@ -213,33 +211,6 @@ def test_device_copies_go_to_the_kernel_where_it_accepts_them(kernel):
         assert stream.copied == runs.tolist() and (dst == 5).all()
 
 
-@pytest.mark.parametrize("block, engines", [(64 << 10, False), (256 << 10, True)])
-def test_large_device_copies_go_to_the_copy_engines_in_one_call(block, engines):
-    """Where the stream batches copies with one driver call, a read of
-    copies of 128 KiB or more on average goes to the copy engines as it is
-    (in read order, not merged), smaller ones to the kernel."""
-    stream = _FakeStream()
-    stream.batched = True
-    k = _Kernel(True)
-    copier = DeviceCopier(stream, k)
-    src = np.arange(2 * block, dtype=np.uint64).astype(np.uint8)
-    dst = np.zeros(2 * block, dtype=np.uint8)
-    runs = np.array(
-        [
-            [dst.ctypes.data, src.ctypes.data + block, block],
-            [dst.ctypes.data + block, src.ctypes.data, block],
-        ],
-        dtype=np.uint64,
-    )
-    copier.submit(Runs.of(runs)).free()
-    if engines:
-        assert stream.copied == runs.tolist() and k.launched == []
-        assert (dst[:block] == src[block:]).all() and (dst[block:] == src[:block]).all()
-    else:
-        assert stream.copied == [] and k.launched == [(runs.tolist(), 1234)]
-    assert stream.events == [{"freed": True}]
-
-
 def test_host_memory_is_copied_by_the_cpu():
     backend = HostVmmBackend()
     try:
@@ -251,14 +222,13 @@ def test_host_memory_is_copied_by_the_cpu():
 
 @pytest.mark.gpu
 @requires_cuda_vmm
-@pytest.mark.parametrize("copy", ["kernel", "batch", "by-size"])
-def test_cuda_chunks_are_imported_and_copied(copy, monkeypatch):
+@pytest.mark.parametrize("copy", ["kernel", "batch"])
+def test_cuda_chunks_are_imported_and_copied(copy):
     """CUDA backend: the exported allocations are imported, mapped with
     access for the reader's device and copied asynchronously, by the copy
-    kernel, with one batched copy (no kernel), or as the reader chooses by
-    the copies' size (256 KiB blocks: the copy engines where the driver
-    batches them), a read that a poll completes: blocks in another order on
-    each side (runs of one block) and adjacent ones (one run)."""
+    kernel or with one batched copy, a read that a poll completes: blocks in
+    another order on each side (runs of one block) and adjacent ones (one
+    run)."""
     from vllm.v1.kv_vmm.cuda import CudaVmmBackend
 
     backend = CudaVmmBackend(torch.device("cuda", 0))
@@ -269,19 +239,9 @@ def test_cuda_chunks_are_imported_and_copied(copy, monkeypatch):
     exporter = ChunkExporter(name, secret)
     exporter.attach(table)
     reader_backend = CudaVmmBackend(torch.device("cuda", 0))
-    copier = copier_for(
-        reader_backend,
-        copy_kernel=copy != "batch",
-        large_to_copy_engines=copy != "kernel",
-    )
+    copier = copier_for(reader_backend, copy_kernel=copy == "kernel")
     # On a GPU host the kernel must be there when asked for.
-    assert (copier.kernel is not None) == (copy != "batch")
-    launched: list[int] = []
-    if copier.kernel is not None:
-        launch = copier.kernel.launch
-        monkeypatch.setattr(
-            copier.kernel, "launch", lambda *a: (launched.append(1), launch(*a))
-        )
+    assert (copier.kernel is not None) == (copy == "kernel")
     reads = SameHostReads(reader_backend, copier, "reader")
     try:
         table.map_pages([0, 1])
@@ -306,10 +266,6 @@ def test_cuda_chunks_are_imported_and_copied(copy, monkeypatch):
         assert len(xfer.runs.coalesced()) == 6
         xfer.post()
         assert finish(xfer) == "DONE"
-        if copy == "kernel":
-            assert launched
-        elif copy == "by-size":
-            assert bool(launched) != copier.stream.batched
         got = dst.view(16, BLOCK).cpu()
         for i, block in enumerate(remote):
             assert bool((got[i] == block + 1).all()), (i, block)

@@ -9,12 +9,11 @@ producer's chunks mapped into this process into our KV memory.
   a seccomp profile refuses the call, ``memmove`` per run.
 - Device memory (:class:`DeviceCopier`): the copies are enqueued on the
   caller's thread on a stream of the reader's device (the VMM backend's
-  :meth:`~vllm.v1.kv_vmm.backend.VmmBackend.copy_stream`), as one batched
-  copy-engine call where they are large (blocks of 128 KiB or more), else as
-  one launch of the copy kernel (:mod:`.cuda_copy`), or the batched call
-  where the kernel cannot run (no Triton, or an address or length that is
-  not a multiple of 16 bytes); an event recorded after them is polled, like
-  a NIXL transfer: no thread of ours waits on the device.
+  :meth:`~vllm.v1.kv_vmm.backend.VmmBackend.copy_stream`), as one Triton
+  kernel launch (:mod:`.cuda_copy`) or, where that cannot run (no Triton, or
+  an address or length that is not a multiple of 16 bytes), one batched
+  copy-engine call; an event recorded after them is polled, like a NIXL
+  transfer: no thread of ours waits on the device.
 
 Either way a read's copies are a :class:`CopyJob` its transfer polls.
 """
@@ -22,7 +21,6 @@ Either way a read's copies are a :class:`CopyJob` its transfer polls.
 import ctypes
 import dataclasses
 import errno
-import functools
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,9 +35,6 @@ logger = init_logger(__name__)
 
 # iovecs per process_vm_readv call (the kernel's UIO_MAXIOV).
 _IOV_MAX = 1024
-# Device copies of at least this many bytes each on average go to the copy
-# engines (DeviceCopier._to_copy_engines).
-COPY_ENGINE_MIN_BYTES = 128 << 10
 
 
 def coalesce(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -98,7 +93,7 @@ class Runs:
     def __len__(self) -> int:
         return len(self.dst)
 
-    @functools.cached_property
+    @property
     def total_bytes(self) -> int:
         return int(self.nbytes.sum())
 
@@ -245,46 +240,23 @@ class _EventJob(CopyJob):
 
 
 class DeviceCopier(Copier):
-    """Enqueues a read's copies on ``stream``: as one batched copy-engine
-    call where they are large (:meth:`_to_copy_engines`), else with the copy
-    kernel where ``kernel`` (a :class:`~.cuda_copy.RunCopier`) accepts the
-    runs, else as copy-engine copies of the runs merged. A thread issuing
-    one driver call per copy would give the GIL up and wait for it again at
-    every call, up to the interpreter's switch interval (5 ms) each while the
-    engine's thread runs Python."""
+    """Enqueues a read's copies on ``stream``, with the copy kernel where
+    ``kernel`` (a :class:`~.cuda_copy.RunCopier`) accepts the runs, else as
+    copy-engine copies. A thread issuing one driver call per copy would give
+    the GIL up and wait for it again at every call, up to the interpreter's
+    switch interval (5 ms) each while the engine's thread runs Python."""
 
-    def __init__(
-        self,
-        stream: DeviceCopyStream,
-        kernel: Any = None,
-        large_to_copy_engines: bool = True,
-    ) -> None:
+    def __init__(self, stream: DeviceCopyStream, kernel: Any = None) -> None:
         self.stream = stream
         self.kernel = kernel
-        self.large_to_copy_engines = large_to_copy_engines
 
     def submit(self, runs: Runs) -> CopyJob:
-        if self._to_copy_engines(runs):
-            # Each copy large already: merging neighbours would gain nothing.
-            self.stream.copy(np.stack((runs.dst, runs.src, runs.nbytes)).T)
-        elif self.kernel is not None and self.kernel.accepts(runs):
+        if self.kernel is not None and self.kernel.accepts(runs):
             # Runs as they are: the kernel cuts work into pieces anyway.
             self.kernel.launch(runs, self.stream.handle)
         else:
             self.stream.copy(runs.coalesced())
         return _EventJob(self.stream, self.stream.record())
-
-    def _to_copy_engines(self, runs: Runs) -> bool:
-        """Whether ``runs`` go to the copy engines although the kernel could
-        take them: copies of :data:`COPY_ENGINE_MIN_BYTES` or more on
-        average, where the stream enqueues them with one driver call. The
-        copy engines read a peer at the link's speed, the kernel at about
-        0.94 of it, and they take no SMs from the decode beside them
-        (docs/BENCHMARKS.md); a prompt's thousands of small blocks go to the
-        kernel, which cuts host work per copy to a few words."""
-        if not (self.large_to_copy_engines and self.stream.batched and len(runs)):
-            return False
-        return runs.total_bytes >= COPY_ENGINE_MIN_BYTES * len(runs)
 
     def close(self) -> None:
         if self.kernel is not None:
@@ -292,16 +264,12 @@ class DeviceCopier(Copier):
 
 
 def copier_for(
-    backend: VmmBackend,
-    copy_kernel: bool = True,
-    graphs: bool = True,
-    large_to_copy_engines: bool = True,
+    backend: VmmBackend, copy_kernel: bool = True, graphs: bool = True
 ) -> Copier:
     """How a reader whose KV memory is ``backend``'s copies: on the device
     where the backend has a copy stream, else on the host. ``copy_kernel``
     False keeps device copies to the copy engines, ``graphs`` False launches
-    the copy kernel through Triton at every read, ``large_to_copy_engines``
-    False gives the kernel large copies too (all three to compare)."""
+    the copy kernel through Triton at every read (both to compare)."""
     stream = backend.copy_stream()
     if stream is None:
         return HostCopier()
@@ -322,4 +290,4 @@ def copier_for(
             e,
         )
         return DeviceCopier(stream)
-    return DeviceCopier(stream, kernel, large_to_copy_engines)
+    return DeviceCopier(stream, kernel)

@@ -12,13 +12,16 @@ engine's thread for up to 74 ms on a GPU host. One kernel copies them with
 the SMs instead: the runs go to the device as one small array, and a fixed
 number of programs copy its pieces in turn.
 
-Sizing, measured on two H100s over NVLink (docs/BENCHMARKS.md,
+Sizing, measured over NVLink (docs/BENCHMARKS.md,
 scripts/bench/bench_copy_kernel.py): with half as many programs as SMs and
 8 KiB per loop iteration the kernel read the peer at 0.92-0.94 of a
-copy-engine copy of the same bytes (one program per piece: 0.93-0.97), and a
-GEMM loop running beside the reads took 1.15x its time alone (one program
-per piece: 1.50x). The kernel therefore runs on half the SMs at most: a
-decode step of the reading engine keeps the other half.
+copy-engine copy of the same bytes on two H100s (one program per piece:
+0.93-0.97), and a GEMM loop running beside the reads took 1.15x its time
+alone (one program per piece: 1.50x). The kernel therefore runs on half the
+SMs at most: a decode step of the reading engine keeps the other half. With
+16 KiB per iteration (more bytes in flight per program) whole reads on two
+H200s waited 4% (random 256 KiB blocks) and 2% (a prompt's 32 KiB blocks)
+less for their copies than with 8 KiB.
 """
 
 import threading
@@ -42,7 +45,7 @@ logger = init_logger(__name__)
 PIECE_BYTES = 256 << 10
 # What every address and length must be a multiple of (16-byte accesses).
 ALIGNMENT = 16
-_WORDS_PER_ITER = 1024  # int64 words each program moves per loop iteration
+_WORDS_PER_ITER = 2048  # int64 words each program moves per loop iteration
 _NUM_WARPS = 8
 # Upload slots per stream and size class, used in turn (RunCopier._slot_for).
 _UPLOAD_SLOTS = 4
