@@ -1,30 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The per-device KV memory ledger: floors, caps, first come first served,
-engines that die, files other users made or may write, garbage in the
-file, and the CLI that reads and changes it."""
+engines that die, files other users made or may write, and garbage in the
+file. The CLI's cases are in test_ledger_cli.py, those of the engines' page
+reports in test_page_status.py."""
 
 import json
 import os
 import shutil
 import signal
 import stat
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import vllm.envs  # noqa: F401  (children as other users import nothing)
 from tests.v1.kv_vmm.elastic_utils import (
     ledger_base_fixture,  # noqa: F401 (the fixture)
-    requires_vmm_kv_wiring,
 )
 from tests.v1.kv_vmm.user_utils import (
     OTHER_UID,
     SHARED_GID,
     THIRD_UID,
     ForkedUser,
+    ends_within,
     requires_root,
 )
 from vllm.v1.kv_vmm import shm_files
@@ -33,13 +32,8 @@ from vllm.v1.kv_vmm.ledger import (
     KVMemoryLedger,
     LedgerError,
     find_entry,
-    ledger_path,
     list_ledgers,
 )
-from vllm.v1.kv_vmm.ledger_cli import UsageError, parse_bytes
-from vllm.v1.kv_vmm.ledger_cli import main as cli
-from vllm.v1.kv_vmm.page_status import KVPageStatus, create_page_status
-from vllm.v1.kv_vmm.shm_files import SharedFileError
 
 MiB = 1 << 20
 KEY = "GPU-test"
@@ -97,6 +91,8 @@ def test_files_are_made_safely_and_the_last_engine_removes_them(ledger):
     st = os.lstat(ledger.directory)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
     assert os.path.basename(ledger.directory) == f"vllm-kv-u{os.geteuid()}"
+    # The engines' directory of this user, where their page reports go too.
+    assert ledger.directory == shm_files.dir_path(shm_files.file_owner())
     for name in _files(ledger.directory):
         st = os.lstat(os.path.join(ledger.directory, name))
         assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600, name
@@ -268,44 +264,19 @@ def test_a_symlink_at_the_ledger_path_is_refused(ledger, tmp_path):
         KVMemoryLedger(KEY).join(10 * MiB, "b")
 
 
-def _ends_within(fn, seconds: float, fifos: list[str]):
-    """``fn()``'s result or exception, or a failure if it still runs after
-    ``seconds`` (it is then freed by opening ``fifos`` for writing)."""
-    outcome: list = []
-
-    def run():
-        try:
-            outcome.append(fn())
-        except Exception as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        for fifo in fifos:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        thread.join(seconds)
-        pytest.fail(f"still waiting after {seconds} s on a FIFO in {fifos}")
-    return outcome[0]
-
-
-def test_a_fifo_in_the_directory_is_refused_not_waited_on(ledger, capsys):
-    """A FIFO where a ledger or a liveness lock file belongs is no regular
-    file: refused (the ledger) or passed over (a lock file), never opened in
-    a way that waits for a writer that never comes."""
+def test_a_fifo_in_the_directory_is_refused_not_waited_on(ledger):
+    """A FIFO where the ledger belongs is no regular file: refused, never
+    opened in a way that waits for a writer that never comes (a FIFO named
+    as a liveness lock file: test_ledger_cli.py)."""
     ledger.join(10 * MiB, "a")
     os.unlink(ledger.path)
     os.mkfifo(ledger.path, 0o600)
-    error = _ends_within(ledger.read, 10, [ledger.path])
+    error = ends_within(ledger.read, 10, [ledger.path])
     assert isinstance(error, LedgerError), error
     assert "is not a regular file" in str(error) and ledger.path in str(error)
     os.unlink(ledger.path)
     ledger.join(10 * MiB, "b")
-    token = os.path.join(ledger.directory, f"vllm-kv-proc-{'ab' * 16}.lock")
-    os.mkfifo(token, 0o600)
-    assert _ends_within(lambda: cli(["list"]), 10, [token]) == 0
-    assert "b" in capsys.readouterr().out
+    assert [e.name for e in ledger.read().entries] == ["b"]
 
 
 def test_files_others_may_write_are_refused_as_this_user(ledger):
@@ -427,76 +398,6 @@ def test_an_unknown_group_is_a_clear_error():
         KVMemoryLedger(KEY, group="no-such-group-here")
 
 
-# -- page reports ---------------------------------------------------------------
-
-
-def _report_of_a_child() -> str:
-    return create_page_status(4, tag="child").path
-
-
-def test_page_reports_are_the_engines_own_and_swept_by_lock():
-    status = create_page_status(4, tag="t")
-    directory = os.path.dirname(status.path)
-    st = os.lstat(status.path)
-    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
-    assert directory == KVMemoryLedger(KEY).directory
-    # A child's report, a child killed with its report, and names planted by
-    # somebody else: a token nobody holds, and no token at all.
-    live = ForkedUser(_report_of_a_child)
-    dead = ForkedUser(_report_of_a_child)
-    live_path, dead_path = live.result(), dead.result()
-    dead.kill()
-    planted_dead = os.path.join(directory, f"vllm-kv-pages-{'ab' * 16}-x.bin")
-    planted_odd = os.path.join(directory, "vllm-kv-pages-notatoken-x.bin")
-    for path in (planted_dead, planted_odd):
-        with open(path, "w") as f:
-            f.write("x")
-    try:
-        # The next engine's report sweeps by liveness lock, never by name alone.
-        create_page_status(4, tag="next").close(unlink=True)
-        assert os.path.exists(status.path) and os.path.exists(live_path)
-        assert not os.path.exists(dead_path) and not os.path.exists(planted_dead)
-        assert os.path.exists(planted_odd)  # not ours to judge
-        locks = [n for n in _files(directory) if n.startswith("vllm-kv-proc-")]
-        assert len(locks) == 2  # this process's and the live child's
-    finally:
-        live.kill()
-    # The CLI sweeps too.
-    assert cli(["list"]) == 0
-    assert not os.path.exists(live_path)
-    # A clean exit removes the process's own files.
-    exited = ForkedUser(lambda: [_report_of_a_child(), shm_files._release_at_exit()])
-    path, _ = exited.result()
-    exited.stop()
-    assert not os.path.exists(path)
-    status.close(unlink=True)
-    assert not os.path.exists(status.path)
-
-
-def test_a_page_report_others_could_write_is_refused(tmp_path):
-    status = create_page_status(4, tag="t")
-    status.close()
-    os.chmod(status.path, 0o666)
-    with pytest.raises(SharedFileError, match="mode 0666") as e:
-        KVPageStatus(status.path)
-    assert f"KV page report {status.path}" in str(e.value)
-    os.chmod(status.path, 0o600)
-    target = tmp_path / "report.bin"
-    shutil.copy(status.path, target)
-    os.unlink(status.path)
-    os.symlink(target, status.path)
-    with pytest.raises(SharedFileError, match="is a symbolic link"):
-        KVPageStatus(status.path)
-    os.unlink(status.path)
-    if os.geteuid() == 0:
-        shutil.copy(target, status.path)
-        os.chmod(status.path, 0o600)
-        os.chown(status.path, OTHER_UID, OTHER_UID)
-        with pytest.raises(SharedFileError, match=f"uid {OTHER_UID}"):
-            KVPageStatus(status.path)
-        os.unlink(status.path)
-
-
 # -- garbage ------------------------------------------------------------------
 
 
@@ -596,97 +497,6 @@ def test_a_lock_held_too_long_is_an_error_not_a_hang(ledger, monkeypatch):
         assert time.monotonic() - started < 5
         assert f"rm {ledger.lock_path}" in str(e.value)
     assert ledger.read() is not None
-
-
-# -- the CLI --------------------------------------------------------------------
-
-
-def test_cli_lists_and_sets_limits(ledger, capsys):
-    entry = ledger.join(8 << 30, "engine-a", mapped_bytes=1 << 30)
-    assert cli(["list"]) == 0
-    out = capsys.readouterr().out
-    assert "GPU-test: capacity 8.00 GiB" in out
-    assert entry in out and "engine-a" in out and "1.00 GiB" in out
-    # Whose ledger it is, and where.
-    assert f"({ledger.owner.describe()}: {ledger.path})" in out
-    assert cli(["set", "engine-a", "--key", KEY, "--limit-bytes", "2G"]) == 0
-    assert cli(["set", str(os.getpid()), "--key", KEY, "--floor-bytes", "512M"]) == 0
-    assert cli(["capacity", "6G", "--key", KEY]) == 0
-    state = ledger.read()
-    assert state.capacity_bytes == 6 << 30
-    assert state.entry(entry).limit_bytes == 2 << 30
-    assert state.entry(entry).floor_bytes == 512 << 20
-    assert cli(["list", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc[0]["entries"][0]["limit_bytes"] == 2 << 30
-    assert doc[0]["path"] == ledger.path and doc[0]["owner"].startswith("user ")
-    assert cli(["set", "nobody", "--key", KEY, "--limit-bytes", "1G"]) == 1
-    assert cli(["set", entry, "--key", "GPU-nope", "--limit-bytes", "1G"]) == 1
-    assert cli(["set", entry, "--key", KEY, "--limit-bytes", "none"]) == 0
-    assert ledger.read().entry(entry).limit_bytes is None
-
-
-@pytest.mark.parametrize(
-    "argv, problem",
-    [
-        (["capacity", "-5"], "capacity '-5' is negative"),
-        (["set", "engine-a", "--floor-bytes", "-1"], "--floor-bytes '-1' is negative"),
-        (["set", "engine-a", "--limit-bytes", "0"], "--limit-bytes '0' is zero"),
-        (["set", "engine-a", "--limit-bytes", "lots"], "is not a size in bytes"),
-        (["capacity", "1GiB"], "capacity '1GiB' is not a size in bytes"),
-        (["capacity", "1.5G"], "Decimals are not allowed"),
-        (["capacity", str(1 << 61)], "larger than"),
-        (["set", "engine-a"], "give --limit-bytes, --floor-bytes or --weight"),
-    ],
-)
-def test_cli_refuses_bad_sizes_in_one_line(ledger, capsys, argv, problem):
-    entry = ledger.join(8 << 30, "engine-a", floor_bytes=1 << 30)
-    before = Path(ledger.path).read_bytes()
-    assert cli([*argv, "--key", KEY]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and problem in err, err
-    assert err.startswith("python -m vllm.v1.kv_vmm.ledger_cli: error: ")
-    # Nothing changed.
-    assert Path(ledger.path).read_bytes() == before
-    assert ledger.read().entry(entry).floor_bytes == 1 << 30
-
-
-def test_cli_on_a_garbage_ledger_says_so_in_one_line(ledger, capsys):
-    ledger.join(8 << 30, "engine-a")
-    with open(ledger.path, "w") as f:
-        f.write('{"format": 1, "key": "GPU-test", "capacity_bytes": -9')
-    for argv in (["list"], ["capacity", "1G", "--key", KEY],
-                 ["set", "engine-a", "--key", KEY, "--floor-bytes", "1G"]):  # fmt: skip
-        assert cli(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1, err
-        assert f"KV memory ledger {ledger.path} is not valid: not JSON" in err
-        assert f"remove it (rm {ledger.path})" in err
-
-
-@requires_vmm_kv_wiring
-def test_cli_sizes_are_the_engine_flags_own():
-    # Read as --kv-cache-vmm-limit-bytes (and --kv-cache-memory-bytes) read them.
-    import argparse
-
-    from vllm.config import CacheConfig
-    from vllm.engine.arg_utils import get_kwargs
-
-    flag = get_kwargs(CacheConfig)["kv_cache_vmm_limit_bytes"]["type"]
-    for text in ("4096", "512M", "512m", "1G", "1.5g", "2T", "8k"):
-        assert parse_bytes(text) == flag(text), text
-    assert parse_bytes("1G") == 1 << 30 and parse_bytes("1.5g") == 1_500_000_000
-    for text in ("1GiB", "1.5G", "lots"):
-        with pytest.raises((ValueError, argparse.ArgumentTypeError)):
-            flag(text)
-        with pytest.raises(UsageError):
-            parse_bytes(text)
-    # Read as the flag reads them, but no size: the CLI refuses them.
-    with pytest.raises(UsageError, match="negative"):
-        parse_bytes("-1")
-    with pytest.raises(UsageError, match="not a size"):
-        parse_bytes("")
-    assert ledger_path("GPU-1/2", "/x") == "/x/vllm-kv-ledger-GPU-1_2.json"
 
 
 def test_the_directory_is_read_when_used_not_at_import(monkeypatch, tmp_path):

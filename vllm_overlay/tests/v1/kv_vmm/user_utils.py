@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Acting as other users, for the tests of files shared between users."""
+"""Acting as other users, for the tests of files shared between users, and
+waiting on a file that may block (a FIFO) with a deadline."""
 
 import os
+import threading
 
 import pytest
 
@@ -101,3 +103,25 @@ class ForkedUser:
             os.waitpid(self.pid, 0)
             os.close(self._in)
             self._out.close()
+
+
+def ends_within(fn, seconds: float, fifos: list[str]):
+    """``fn()``'s result or exception, or a failure if it still runs after
+    ``seconds`` (it is then freed by opening ``fifos`` for writing)."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(fn())
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in fifos:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(seconds)
+        pytest.fail(f"still waiting after {seconds} s on a FIFO in {fifos}")
+    return outcome[0]
