@@ -12,8 +12,10 @@ come back, to the decode instance, which reads the prompt's KV from the prefill 
 GPU over NIXL and produces the first token. TTFT is the wall time of both requests, one
 request at a time, after one untimed request (the NIXL handshake).
 
-Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json; scripts/bench/bench.py
-(item 5) runs it once per A/B repetition.
+Writes ``{"ttft_ms": median, "ttft_ms_runs": [...], ...}`` to --json, with the decode
+instance's reads as NixlConnector timed them over the timed requests (``decode_nixl``: mean
+transfer and post ms per read, from its /metrics); scripts/bench/bench.py (item 5) runs it
+once per A/B repetition.
 
 Every wait has the deadline --timeout: an instance's start (to /health 200) and each request.
 When an instance ends, fails a request or does not answer in time, the run ends at once with
@@ -38,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_proc import TAIL_LINES, describe_exit, exit_on_signals, tail  # noqa: E402
-from bench_server import Server, _free_port  # noqa: E402
+from bench_server import Server, _free_port, fetch_metrics, metric_samples  # noqa: E402
 
 # NixlConnector's prefill-side request fields, as a disaggregating proxy sends them.
 PREFILL_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -104,6 +106,31 @@ def first_token(prefill: Server, decode: Server, model: str, prompt: list[int],
     if out.get("usage", {}).get("completion_tokens") != 1:
         raise InstanceFailed("decode", decode, f"answered {out.get('usage', out)}")
     return seconds, prefill_s
+
+
+NIXL_TIMES = {"xfer": "vllm:nixl_xfer_time_seconds", "post": "vllm:nixl_post_time_seconds"}
+"""NixlConnector's histograms of each read's transfer time (posted to done) and post time."""
+
+
+def nixl_totals(server: Server) -> dict[str, tuple[float, float]]:
+    """(sum in seconds, count) of each of :data:`NIXL_TIMES` on ``server``'s /metrics; zeros
+    where it has none (no /metrics, or no read flushed into it yet)."""
+    text = fetch_metrics(server) or ""
+    return {key: (sum(v for _, v in metric_samples(text, (name + "_sum",))),
+                  sum(v for _, v in metric_samples(text, (name + "_count",))))
+            for key, name in NIXL_TIMES.items()}
+
+
+def nixl_means(before: dict, after: dict) -> dict:
+    """Mean ms per read of each of :data:`NIXL_TIMES` between two :func:`nixl_totals`, and
+    how many reads that is (the connector's stats reach /metrics a step late, so the last
+    read may be missing); empty where no read was counted."""
+    reads = after["xfer"][1] - before["xfer"][1]
+    if reads <= 0:
+        return {}
+    return {"reads": int(reads)} | {
+        f"{key}_ms": (after[key][0] - before[key][0]) * 1000 / (after[key][1] - before[key][1])
+        for key in NIXL_TIMES if after[key][1] > before[key][1]}
 
 
 def usable_cpus() -> list[int]:
@@ -209,8 +236,11 @@ def main() -> None:
             if i:  # the first request also makes the NIXL handshake
                 runs.append(seconds * 1000)
                 prefill_runs.append(prefill_s * 1000)
+            else:
+                nixl_before = nixl_totals(decode)
             print(f"request {i}: {seconds * 1000:.1f} ms (prefill instance "
                   f"{prefill_s * 1000:.1f} ms)", flush=True)
+        decode_reads = nixl_means(nixl_before, nixl_totals(decode))
     except InstanceFailed as e:
         if runs:
             print(f"measured before the failure: {len(runs)} timed request(s), TTFT median "
@@ -227,14 +257,17 @@ def main() -> None:
     result = {"ttft_ms": statistics.median(runs), "ttft_ms_runs": runs,
               "prefill_ms_runs": prefill_runs,
               "decode_ms_runs": [t - p for t, p in zip(runs, prefill_runs)],
-              "backend": args.backend, "prompt_len": args.prompt_len, "engine": engine}
+              "backend": args.backend, "prompt_len": args.prompt_len, "engine": engine,
+              # The decode instance's reads as its connector timed them: where the decode
+              # part's time goes (the read, or the steps around it).
+              "decode_nixl": decode_reads}
     if args.backend == "vmm":
         # Whether the decode instance read the prefill's VMM KV over the same-host path
         # (its connector logs it when the channel opens) or through NIXL/UCX.
         log = (logs / f"pd-{args.backend}-decode.log").read_text(errors="replace")
         result["same_host"] = "use the same-host path" in log
     args.json.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("backend", "ttft_ms")}))
+    print(json.dumps({k: result[k] for k in ("backend", "ttft_ms", "decode_nixl")}))
 
 
 if __name__ == "__main__":

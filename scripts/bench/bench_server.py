@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -99,3 +101,35 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+
+def fetch_metrics(server: Server) -> str | None:
+    """The server's /metrics text, None if it does not answer."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            resp = conn.getresponse()
+            return resp.read().decode(errors="replace") if resp.status == 200 else None
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException):
+        return None
+
+
+_SAMPLE_RE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(text: str, names: tuple[str, ...]) -> list[tuple[dict, float]]:
+    """(labels, value) of every sample in a Prometheus text whose name is one of ``names``."""
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE_RE.fullmatch(line.strip())
+        if not m or m[1] not in names:
+            continue
+        try:
+            value = float(m[3])
+        except ValueError:
+            continue
+        samples.append(({k: v for k, v in _LABEL_RE.findall(m[2] or "")}, value))
+    return samples

@@ -79,7 +79,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_items import spread  # noqa: E402
-from bench_server import Server  # noqa: E402
+from bench_server import Server, fetch_metrics, metric_samples  # noqa: E402
 
 #: Share policy (--kv-cache-vmm-share-policy) of each mode on shared VMM KV; None: the flag
 #: is left out (the engine's default).
@@ -372,39 +372,6 @@ def summarize_run(results: list[dict]) -> dict:
     per_engine = {str(e): _stats([r for r in results if r["engine"] == e])
                   for e in sorted({r["engine"] for r in results})}
     return _stats(results) | {"per_engine": per_engine}
-
-
-def fetch_metrics(server: Server) -> str | None:
-    """The server's /metrics text, None if it does not answer."""
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-        try:
-            conn.request("GET", "/metrics")
-            resp = conn.getresponse()
-            return resp.read().decode(errors="replace") if resp.status == 200 else None
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException):
-        return None
-
-
-_SAMPLE_RE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def metric_samples(text: str, names: tuple[str, ...]) -> list[tuple[dict, float]]:
-    """(labels, value) of every sample in a Prometheus text whose name is one of ``names``."""
-    samples = []
-    for line in text.splitlines():
-        m = _SAMPLE_RE.fullmatch(line.strip())
-        if not m or m[1] not in names:
-            continue
-        try:
-            value = float(m[3])
-        except ValueError:
-            continue
-        samples.append(({k: v for k, v in _LABEL_RE.findall(m[2] or "")}, value))
-    return samples
 
 
 def preemptions(text: str | None) -> float | None:

@@ -11,6 +11,7 @@ real servers, marked slow). bench_pd.py itself, its server processes and HTTP ar
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -50,7 +51,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        self.reply({})
+        if self.path != "/metrics" or role != "decode":
+            return self.reply({})
+        # NixlConnector's read times: 2 ms per read, 0.5 ms of it posting, one read per
+        # decode request.
+        data = "".join(
+            f'vllm:nixl_{name}_seconds_{kind}{{engine="0"}} {value}\n'
+            for name, per_read in (("xfer_time", 0.002), ("post_time", 0.0005))
+            for kind, value in (("sum", per_read * count), ("count", count))
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_POST(self):
         global count
@@ -92,6 +105,10 @@ def test_the_flow_with_instances_that_answer(tmp_path):
     done, _, out = run_pd(tmp_path, "")
     assert done.returncode == 0, done.stdout
     assert out.exists() and "request 4:" in done.stdout
+    # The decode instance's reads over the four timed requests, from its /metrics.
+    nixl = json.loads(out.read_text())["decode_nixl"]
+    assert nixl["reads"] == 4
+    assert abs(nixl["xfer_ms"] - 2.0) < 1e-6 and abs(nixl["post_ms"] - 0.5) < 1e-6
 
 
 def test_an_instance_that_dies_ends_the_run_with_its_log(tmp_path):
