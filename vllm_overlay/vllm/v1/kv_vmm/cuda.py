@@ -392,7 +392,7 @@ class CudaCopyStream(DeviceCopyStream):
         )
         self._batch_fn = _batch_copy_fn()
         # Older cuda-bindings releases have no batched copy.
-        self._batch = getattr(drv, "cuMemcpyBatchAsync", None)
+        self._batch: Any = getattr(drv, "cuMemcpyBatchAsync", None)
         self._attrs: list[Any] | None = None
         self._c_attrs = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
         self._c_attrs_idx = ctypes.c_size_t(0)
