@@ -10,7 +10,7 @@ GPUs (one rank each) and on the host device (both ranks): the same number of
 bytes gives the same page limit through --kv-cache-vmm-limit-bytes, the
 runtime limit (the Python API and the HTTP route's query), and the counters
 and the metrics show it back in the same unit (the device ledger's:
-test_byte_units_shared.py)."""
+test_byte_units_shared.py). The ledger CLI reads a size as those flags do."""
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ from vllm.config import (
 )
 from vllm.v1.kv_cache_compat import get_kv_cache_configs, set_kv_cache_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_vmm.ledger_cli import UsageError, parse_bytes
 from vllm.v1.kv_vmm.pages import (
     KV_PAGE_GRANULARITY,
     KVPagePolicy,
@@ -186,3 +187,21 @@ def test_a_flag_below_one_page_is_refused_and_beyond_the_capacity_lowered(
         device_keys=keys,
     )
     assert both.max_pages == 2
+
+
+def test_the_ledger_cli_reads_sizes_as_the_engine_flags_do():
+    """The ledger CLI (``set --limit-bytes``, ``capacity``) reads a size as
+    --kv-cache-vmm-limit-bytes (and --kv-cache-memory-bytes) read it."""
+    import argparse
+
+    from vllm.config import CacheConfig
+    from vllm.engine.arg_utils import get_kwargs
+
+    flag = get_kwargs(CacheConfig)["kv_cache_vmm_limit_bytes"]["type"]
+    for text in ("4096", "512M", "512m", "1G", "1.5g", "2T", "8k"):
+        assert parse_bytes(text) == flag(text), text
+    for text in ("1GiB", "1.5G", "lots"):
+        with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+            flag(text)
+        with pytest.raises(UsageError):
+            parse_bytes(text)

@@ -32,6 +32,7 @@ from vllm.v1.kv_vmm.ledger import (
     KVMemoryLedger,
     LedgerError,
     find_entry,
+    ledger_path,
     list_ledgers,
 )
 
@@ -513,3 +514,7 @@ def test_the_directory_is_read_when_used_not_at_import(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_KV_VMM_LEDGER_DIR", "")
     assert shm_files.base_dir() == "/dev/shm"
     assert KVMemoryLedger(KEY).directory.startswith("/dev/shm/vllm-kv-")
+
+
+def test_a_ledger_is_named_after_its_device_key():
+    assert ledger_path("GPU-1/2", "/x") == "/x/vllm-kv-ledger-GPU-1_2.json"

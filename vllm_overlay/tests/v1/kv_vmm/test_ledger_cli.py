@@ -12,10 +12,9 @@ import pytest
 
 from tests.v1.kv_vmm.elastic_utils import (
     ledger_base_fixture,  # noqa: F401 (the fixture)
-    requires_vmm_kv_wiring,
 )
 from tests.v1.kv_vmm.user_utils import ForkedUser, ends_within
-from vllm.v1.kv_vmm.ledger import KVMemoryLedger, ledger_path
+from vllm.v1.kv_vmm.ledger import KVMemoryLedger
 from vllm.v1.kv_vmm.ledger_cli import UsageError, parse_bytes
 from vllm.v1.kv_vmm.ledger_cli import main as cli
 from vllm.v1.kv_vmm.page_status import create_page_status
@@ -92,29 +91,17 @@ def test_cli_on_a_garbage_ledger_says_so_in_one_line(ledger, capsys):
         assert f"remove it (rm {ledger.path})" in err
 
 
-@requires_vmm_kv_wiring
-def test_cli_sizes_are_the_engine_flags_own():
-    # Read as --kv-cache-vmm-limit-bytes (and --kv-cache-memory-bytes) read them.
-    import argparse
-
-    from vllm.config import CacheConfig
-    from vllm.engine.arg_utils import get_kwargs
-
-    flag = get_kwargs(CacheConfig)["kv_cache_vmm_limit_bytes"]["type"]
-    for text in ("4096", "512M", "512m", "1G", "1.5g", "2T", "8k"):
-        assert parse_bytes(text) == flag(text), text
+def test_cli_reads_sizes_with_units_and_refuses_the_rest():
+    # That these are the engine flags' own readings: test_byte_units.py.
+    assert parse_bytes("4096") == 4096
     assert parse_bytes("1G") == 1 << 30 and parse_bytes("1.5g") == 1_500_000_000
     for text in ("1GiB", "1.5G", "lots"):
-        with pytest.raises((ValueError, argparse.ArgumentTypeError)):
-            flag(text)
         with pytest.raises(UsageError):
             parse_bytes(text)
-    # Read as the flag reads them, but no size: the CLI refuses them.
     with pytest.raises(UsageError, match="negative"):
         parse_bytes("-1")
     with pytest.raises(UsageError, match="not a size"):
         parse_bytes("")
-    assert ledger_path("GPU-1/2", "/x") == "/x/vllm-kv-ledger-GPU-1_2.json"
 
 
 def test_cli_list_passes_over_a_fifo_lock_file(ledger, capsys):
