@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """When the device has no memory for a KV page: the ranks report, the
 scheduler hands out only pages every rank mapped, requests wait (or are
-preempted, by vLLM's own scheduler) and proceed once the memory is back;
-nothing waits for memory without an end, and an engine that cannot map its
-startup pages fails at once with what holds the memory."""
+preempted, by vLLM's own scheduler: test_scheduler_wiring.py) and proceed
+once the memory is back; nothing waits for memory without an end, and an
+engine that cannot map its startup pages fails at once with what holds the
+memory."""
 
 import threading
 import time
@@ -15,10 +16,8 @@ import torch
 from tests.v1.kv_vmm.elastic_utils import (  # noqa: F401 (the fixtures)
     ledger_base_fixture,
     map_failures_fixture,
-    requires_vmm_kv_wiring,
-    write_tiny_llama_config,
 )
-from tests.v1.kv_vmm.pool_utils import BPP, Clock, make_block_pool, make_page_policy
+from tests.v1.kv_vmm.pool_utils import BPP, make_block_pool, make_page_policy
 from vllm.v1.kv_vmm import scheduler as scheduler_module
 from vllm.v1.kv_vmm import worker as worker_module
 from vllm.v1.kv_vmm.backend import VmmOutOfMemoryError
@@ -157,112 +156,6 @@ def test_requests_that_do_not_fit_ask_for_their_pages_in_the_next_message():
 
 
 # -- vLLM's scheduler over the pool ---------------------------------------
-
-
-def _step(scheduler, ranks: Ranks, clock: Clock, check) -> list[str]:
-    """One engine step: schedule, check what the step uses, the ranks apply
-    the page ops, one token per scheduled request; the finished ids."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    output = scheduler.schedule()
-    check(output)
-    ranks.apply(output.kv_page_ops)
-    req_ids = list(output.num_scheduled_tokens)
-    runner_output = ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[7] for _ in req_ids],
-    )
-    engine_outputs = scheduler.update_from_output(output, runner_output)
-    clock.now += 0.05
-    return [
-        out.request_id
-        for client in engine_outputs.values()
-        for out in client.outputs
-        if out.finish_reason is not None
-    ]
-
-
-def make_scheduler(tmp_path, monkeypatch, policy: KVPagePolicy, num_blocks: int):
-    """The scheduler of vLLM (its own test helper) over a PagedBlockPool."""
-    core_utils = pytest.importorskip(
-        "tests.v1.core.utils", reason="needs vLLM's tests/v1/core/utils.py"
-    )
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    write_tiny_llama_config(tmp_path)
-    # The engine core attaches the policy to the scheduler's KV cache config.
-    monkeypatch.setattr(
-        core_utils,
-        "KVCacheConfig",
-        lambda **kwargs: KVCacheConfig(**kwargs, kv_page_policy=policy),
-    )
-    scheduler = core_utils.create_scheduler(
-        model=str(tmp_path),
-        num_blocks=num_blocks,
-        block_size=16,
-        enable_prefix_caching=True,
-        skip_tokenizer_init=True,
-    )
-    return scheduler, core_utils.create_requests
-
-
-@requires_vmm_kv_wiring
-def test_requests_wait_and_are_preempted_while_no_page_maps_then_proceed(
-    tmp_path, monkeypatch
-):
-    from vllm.v1.request import RequestStatus
-
-    num_blocks = 64
-    policy, status = make_page_policy(num_blocks // BPP, num_ranks=2, ahead_blocks=0)
-    ranks = Ranks(policy, status)
-    scheduler, create_requests = make_scheduler(
-        tmp_path, monkeypatch, policy, num_blocks
-    )
-    pool = scheduler.kv_cache_manager.block_pool
-    assert isinstance(pool, PagedBlockPool)
-    clock = Clock()
-    pool.clock = clock
-    # Only the startup pages (the null block's and the headroom: 7 blocks)
-    # map; rank 1 has no memory for any other page.
-    ranks.failing = {1}
-    # 3 requests of 30 tokens (2 blocks each) that generate 100: each needs
-    # more blocks while it decodes, 9 in the end.
-    requests = create_requests(
-        num_requests=3, num_tokens=30, max_tokens=100, ignore_eos=True, block_size=16
-    )
-    for request in requests:
-        scheduler.add_request(request)
-
-    def check(output) -> None:
-        # Every block a scheduled request holds lies on a page both ranks
-        # have mapped before the step runs.
-        ops = output.kv_page_ops or KVPageOps()
-        on_both = ranks.on_every_rank() - set(ops.unmap)
-        for req_id in output.num_scheduled_tokens:
-            (blocks,) = scheduler.kv_cache_manager.get_block_ids(req_id)
-            assert {b // BPP for b in blocks} <= on_both, (req_id, blocks)
-
-    finished: list[str] = []
-    preempted = 0
-    for _ in range(60):
-        finished += _step(scheduler, ranks, clock, check)
-        preempted += sum(r.status == RequestStatus.PREEMPTED for r in requests)
-    # Nothing finished (each needs 9 blocks in the end, only 7 exist), the
-    # engine kept stepping, requests were preempted by vLLM's scheduler, and
-    # the failed maps were counted.
-    assert not finished
-    assert preempted > 0
-    assert pool.make_page_stats().map_failures_total > 0
-    assert pool.num_mapped_pages == 2
-    # The memory is back: every request completes.
-    ranks.failing = set()
-    for _ in range(400):
-        finished += _step(scheduler, ranks, clock, check)
-        if len(finished) == len(requests):
-            break
-    assert sorted(finished) == sorted(r.request_id for r in requests)
-    assert all(len(r.output_token_ids) == 100 for r in requests)
 
 
 # -- the worker --------------------------------------------------------------

@@ -13,9 +13,11 @@ from tests.v1.kv_vmm.elastic_utils import (
     requires_vmm_kv_wiring,
     write_tiny_llama_config,
 )
+from tests.v1.kv_vmm.pool_utils import Clock, make_page_policy
+from tests.v1.kv_vmm.test_map_failures import Ranks
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_vmm.pages import KVPagePolicy
+from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 from vllm.v1.request import RequestStatus
 
@@ -164,3 +166,82 @@ def test_default_memory_backend_is_unchanged(model_dir, monkeypatch):
         scheduler.add_request(request)
     output = scheduler.schedule()
     assert output.kv_page_ops is None
+
+
+def _step_with_ranks(scheduler, ranks: Ranks, clock: Clock, check) -> list[str]:
+    """One engine step: schedule, check what the step uses, the ranks apply
+    the page ops, one token per scheduled request; the finished ids."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    output = scheduler.schedule()
+    check(output)
+    ranks.apply(output.kv_page_ops)
+    req_ids = list(output.num_scheduled_tokens)
+    runner_output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+    )
+    engine_outputs = scheduler.update_from_output(output, runner_output)
+    clock.now += 0.05
+    return [
+        out.request_id
+        for client in engine_outputs.values()
+        for out in client.outputs
+        if out.finish_reason is not None
+    ]
+
+
+def test_requests_wait_and_are_preempted_while_no_page_maps_then_proceed(
+    model_dir, monkeypatch
+):
+    """When a rank has no memory for a KV page (test_map_failures.py), the
+    scheduler hands out only pages every rank mapped: requests wait or are
+    preempted by vLLM's own scheduler, and proceed once the memory is back."""
+    policy, status = make_page_policy(NUM_BLOCKS // BPP, num_ranks=2, ahead_blocks=0)
+    ranks = Ranks(policy, status)
+    scheduler = make_scheduler(model_dir, monkeypatch, policy)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, PagedBlockPool)
+    clock = Clock()
+    pool.clock = clock
+    # Only the startup pages (the null block's and the headroom: 7 blocks)
+    # map; rank 1 has no memory for any other page.
+    ranks.failing = {1}
+    # 3 requests of 30 tokens (2 blocks each) that generate 100: each needs
+    # more blocks while it decodes, 9 in the end.
+    requests = create_requests(
+        num_requests=3, num_tokens=30, max_tokens=100, ignore_eos=True, block_size=16
+    )
+    for request in requests:
+        scheduler.add_request(request)
+
+    def check(output) -> None:
+        # Every block a scheduled request holds lies on a page both ranks
+        # have mapped before the step runs.
+        ops = output.kv_page_ops or KVPageOps()
+        on_both = ranks.on_every_rank() - set(ops.unmap)
+        for req_id in output.num_scheduled_tokens:
+            (blocks,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            assert {b // BPP for b in blocks} <= on_both, (req_id, blocks)
+
+    finished: list[str] = []
+    preempted = 0
+    for _ in range(60):
+        finished += _step_with_ranks(scheduler, ranks, clock, check)
+        preempted += sum(r.status == RequestStatus.PREEMPTED for r in requests)
+    # Nothing finished (each needs 9 blocks in the end, only 7 exist), the
+    # engine kept stepping, requests were preempted by vLLM's scheduler, and
+    # the failed maps were counted.
+    assert not finished
+    assert preempted > 0
+    assert pool.make_page_stats().map_failures_total > 0
+    assert pool.num_mapped_pages == 2
+    # The memory is back: every request completes.
+    ranks.failing = set()
+    for _ in range(400):
+        finished += _step_with_ranks(scheduler, ranks, clock, check)
+        if len(finished) == len(requests):
+            break
+    assert sorted(finished) == sorted(r.request_id for r in requests)
+    assert all(len(r.output_token_ids) == 100 for r in requests)
