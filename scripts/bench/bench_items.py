@@ -316,6 +316,7 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
     # requests through both; one run per repetition, pairs while the budget allows.
     model = model_dir(prof["elastic"]["model"], out)
     runs: dict[str, list[float]] = {"default": [], "vmm": []}
+    reads: dict[str, list[float]] = {}
     for backend in ab_order(prof["repeats"]):
         if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
                 2 * prof["est_serve_s"]):
@@ -333,9 +334,14 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
         runs[backend].append(run["ttft_ms"])
         if "same_host" in run:
             result.setdefault("vmm_same_host", []).append(run["same_host"])
+        # The decode instance's reads as NixlConnector timed them (mean ms per read).
+        if "xfer_ms" in (run.get("decode_nixl") or {}):
+            reads.setdefault(backend, []).append(run["decode_nixl"]["xfer_ms"])
     n = min(len(runs["default"]), len(runs["vmm"]))
     result["ttft_ms"] = (summarize(runs["default"][:n], runs["vmm"][:n]) if n else
                          {"not_measured": "time budget spent before the first pair"})
+    if reads:
+        result["decode_read_ms"] = {backend: spread(v) for backend, v in reads.items()}
     return result
 
 
@@ -361,6 +367,7 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
         print(f"tp{tp}-startup: compile-cache warm-up (not timed)", flush=True)
         serve_startup(runner, model, "default", tp, engine, timeout=900)
     runs: dict[str, list[float]] = {"default": [], "vmm": []}
+    reads: dict[str, list[float]] = {}
     for backend in ab_order(prof["repeats"]):
         if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
                 2 * prof["est_serve_s"]):

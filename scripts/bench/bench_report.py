@@ -188,6 +188,13 @@ def render_results(results: dict, png_prefix: str = "") -> str:
                         f"- {title}: the VMM decode instance read over the same-host path in "
                         f"{sum(same_host)} of {len(same_host)} TTFT runs (through NIXL/UCX in "
                         "the others).")
+                reads = data.get("decode_read_ms") or {}
+                if reads:
+                    sides = [f"{label} {_spread(reads[backend])}" for backend, label in
+                             (("default", "stock"), ("vmm", "VMM")) if backend in reads]
+                    details.append(
+                        f"- {title}: the decode instance's reads as NixlConnector timed them "
+                        f"(posted to done, mean ms per read, per TTFT run): {', '.join(sides)}.")
         elif item == "sharing":
             render_sharing(data, name, row, details, title)
         elif item == "tp2-startup":

@@ -119,6 +119,12 @@ def test_pd_transfer_shows_each_path_as_a_fraction_of_the_link():
     assert "P/D over NIXL: end-to-end TTFT (ms) | 134.0 [130.0..136.0] | 140.0" in md
     assert "| <= 1.1 | pass |" in md.split("end-to-end TTFT")[1].splitlines()[0]
     assert "read over the same-host path in 2 of 3 TTFT runs" in md
+    # Where the decode instance's part went: its reads as the connector timed them.
+    pd["decode_read_ms"] = {"default": spread([1.3, 1.4, 1.5]),
+                            "vmm": spread([1.9, 2.1, 2.2])}
+    md = render_results({"items": {"pd": pd}})
+    assert ("the decode instance's reads as NixlConnector timed them (posted to done, mean ms "
+            "per read, per TTFT run): stock 1.4 [1.3..1.5], VMM 2.1 [1.9..2.2].") in md
     # Runs before the link was measured render as they did.
     for key in ("vmm_ucx", "link", "of_link"):
         del transfer[key]
