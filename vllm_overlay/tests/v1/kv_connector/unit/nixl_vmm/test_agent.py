@@ -11,13 +11,14 @@ import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     block_view,
-    nixl_side,
+    registry_side,
     requires_nixl,
     run_read,
     table_descs,
     ucx_over_loopback,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
+    SegmentedXferAgent,
     StockKVXferAgent,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
@@ -31,6 +32,13 @@ LOCAL = "NIXL_INIT_AGENT"
 @pytest.fixture(autouse=True)
 def _ucx_over_loopback(monkeypatch):
     ucx_over_loopback(monkeypatch)
+
+
+def nixl_side(name):
+    """(backend, table, agent, registry, xfer agent): a real NIXL agent over a
+    host VMM page table and the wrapper that reads through its registry."""
+    backend, table, agent, registry = registry_side(name)
+    return backend, table, agent, registry, SegmentedXferAgent(agent, registry)
 
 
 @requires_nixl

@@ -2,7 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """NixlSegmentRegistry with real NIXL agents (UCX over the loopback) and real
 host VMM memory: one registration per mapped chunk, following maps and
-unmaps, and unmaps that wait for the transfers using their segment."""
+unmaps, and unmaps that wait for the transfers using their segment. The
+reads go through NIXL's own agent; the transfers an unmap waits for are the
+ones the test hands the registry (``track``), as the agent wrapper does."""
 
 import threading
 import time
@@ -15,7 +17,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     RecordingAgent,
     block_view,
     make_table,
-    nixl_side,
+    registry_side,
     requires_nixl,
     run_read,
     ucx_over_loopback,
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
     Descs,
+    NixlXfer,
     XferHandle,
 )
 from vllm.v1.kv_vmm import VmmError
@@ -36,7 +39,7 @@ def _ucx_over_loopback(monkeypatch):
 
 
 def _close(*sides):
-    for backend, table, _, registry, _ in reversed(sides):
+    for backend, table, _, registry in reversed(sides):
         table.close()
         registry.close()
         backend.close()
@@ -44,8 +47,8 @@ def _close(*sides):
 
 @requires_nixl
 def test_registrations_follow_segments():
-    side = nixl_side("prefill")
-    _, table, _, registry, _ = side
+    side = registry_side("prefill")
+    _, table, _, registry = side
     try:
         table.map_pages([0, 2])
         chunks = sorted((c.va, c.nbytes) for s in table.segments() for c in s.chunks)
@@ -85,22 +88,22 @@ def test_a_page_remapped_at_its_address_is_registered_again():
     registration before the unmap and registers the new chunk after the map,
     and a reader of the owner's new bytes gets them through NIXL."""
     block = 2 << 20  # one block per page
-    p_side = nixl_side("prefill3", block_bytes=block, num_blocks=2)
-    d_side = nixl_side("decode3", block_bytes=block, num_blocks=2)
+    p_side = registry_side("prefill3", block_bytes=block, num_blocks=2)
+    d_side = registry_side("decode3", block_bytes=block, num_blocks=2)
     try:
-        _, p_table, p_agent, p_registry, _ = p_side
-        _, d_table, _, _, d_xfer = d_side
+        _, p_table, p_agent, p_registry = p_side
+        _, d_table, d_agent, _ = d_side
         p_table.map_pages([0])
         d_table.map_pages([0])
         first = list(p_registry.registered_ranges)
         generation = p_registry.generation
-        remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+        remote = d_agent.add_remote_agent(p_agent.get_agent_metadata())
 
         def descs(table):
             return [(table.tensors[0].data_ptr(), block, 0)]
 
-        local = d_xfer.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", d_xfer.get_xfer_descs(descs(d_table), "DRAM")
+        local = d_agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", d_agent.get_xfer_descs(descs(d_table), "DRAM")
         )
         for value in (3, 9):
             if value == 9:
@@ -112,13 +115,14 @@ def test_a_page_remapped_at_its_address_is_registered_again():
                 assert p_registry.generation == generation + 2
                 # The reader loads the owner's refreshed metadata, as
                 # NixlConnector does on a newer registration epoch.
-                d_xfer.remove_remote_agent(remote)
-                remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+                d_agent.remove_remote_agent(remote)
+                remote = d_agent.add_remote_agent(p_agent.get_agent_metadata())
             block_view(p_table, 0, block).fill_(value)
-            remote_descs = d_xfer.prep_xfer_dlist(
-                remote, d_xfer.get_xfer_descs(descs(p_table), "DRAM")
+            remote_descs = d_agent.prep_xfer_dlist(
+                remote, d_agent.get_xfer_descs(descs(p_table), "DRAM")
             )
-            assert run_read(d_xfer, local, [0], remote_descs, [0]) == "DONE"
+            assert run_read(d_agent, local, [0], remote_descs, [0]) == "DONE"
+            d_agent.release_dlist_handle(remote_descs)
             assert torch.all(block_view(d_table, 0, block) == value)
     finally:
         _close(d_side, p_side)
@@ -144,8 +148,8 @@ class _HeldCompletion:
     def __getattr__(self, name: str):
         return getattr(self._agent, name)
 
-    def real_state(self, handle) -> str:
-        return self._agent.check_xfer_state(handle.handle)
+    def real_state(self, xfer: NixlXfer) -> str:
+        return self._agent.check_xfer_state(xfer.handle)
 
     def transfer(self, handle, *args, **kwargs) -> str:
         state = self._agent.transfer(handle, *args, **kwargs)
@@ -162,28 +166,39 @@ class _HeldCompletion:
 @requires_nixl
 def test_unmap_waits_for_transfers_that_touch_the_segment():
     block = 2 << 20  # one block per page
-    p_side = nixl_side("prefill2", block_bytes=block, num_blocks=4)
-    d_side = nixl_side("decode2", block_bytes=block, num_blocks=4, wrap=_HeldCompletion)
+    p_side = registry_side("prefill2", block_bytes=block, num_blocks=4)
+    d_side = registry_side(
+        "decode2", block_bytes=block, num_blocks=4, wrap=_HeldCompletion
+    )
     try:
-        _, p_table, p_agent, _, _ = p_side
-        _, d_table, held, d_registry, d_xfer = d_side
+        _, p_table, p_agent, _ = p_side
+        _, d_table, held, d_registry = d_side
         p_table.map_pages([0])
         d_table.map_pages([0, 1])
         block_view(p_table, 0, block).fill_(5)
-        remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+        remote = held.add_remote_agent(p_agent.get_agent_metadata())
 
-        def descs(table):
+        def descs(table, num_blocks):
             base = table.tensors[0].data_ptr()
-            return [(base + b * block, block, 0) for b in range(4)]
+            return [(base + b * block, block, 0) for b in range(num_blocks)]
 
-        local = d_xfer.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", d_xfer.get_xfer_descs(descs(d_table), "DRAM")
+        # NIXL prepares mapped (registered) blocks only: the local list has
+        # the blocks of both mapped pages, the read uses the first.
+        local_rows = descs(d_table, 2)
+        local = held.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", held.get_xfer_descs(local_rows, "DRAM")
         )
-        remote_descs = d_xfer.prep_xfer_dlist(
-            remote, d_xfer.get_xfer_descs(descs(p_table), "DRAM")
+        remote_descs = held.prep_xfer_dlist(
+            remote, held.get_xfer_descs(descs(p_table, 1), "DRAM")
         )
-        handle = d_xfer.make_prepped_xfer("READ", local, [0], remote_descs, [0])
-        assert d_xfer.transfer(handle) == "PROC"
+        handle = NixlXfer(
+            held, held.make_prepped_xfer("READ", local, [0], remote_descs, [0])
+        )
+        # As the agent wrapper does with every transfer it makes: the registry
+        # knows the local bytes it uses (descriptor 0 of the list) until it is
+        # released.
+        d_registry.track(handle, Descs(local_rows, "DRAM"), np.arange(1))
+        assert handle.post() == "PROC"
 
         # In flight: an unmap that may not wait is refused and the page stays mapped.
         d_registry.unmap_timeout_s = 0.0
@@ -231,8 +246,9 @@ def test_unmap_waits_for_transfers_that_touch_the_segment():
         assert errors == []
         assert not d_table.is_mapped(0)
         assert d_registry.registered_ranges == []
-        d_xfer.release_xfer_handle(handle)
-        d_xfer.remove_remote_agent(remote)
+        d_registry.untrack(handle)
+        handle.release()
+        held.remove_remote_agent(remote)
     finally:
         # A failed check must not leave an unmap waiting on the hold.
         d_side[2].released.set()

@@ -106,14 +106,12 @@ class RecordingAgent:
         self.registered.remove(descs)
 
 
-def nixl_side(name, block_bytes=BLOCK, num_blocks=NUM_BLOCKS, wrap=None):
-    """(backend, table, agent, registry, xfer agent) of a real NIXL agent
-    over a host VMM page table (``wrap`` wraps the raw agent)."""
+def registry_side(name, block_bytes=BLOCK, num_blocks=NUM_BLOCKS, wrap=None):
+    """(backend, table, agent, registry) of a real NIXL agent over a host VMM
+    page table whose registrations the registry keeps (``wrap`` wraps the raw
+    agent)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.agent import (
-        SegmentedXferAgent,
-    )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.registry import (
         NixlSegmentRegistry,
     )
@@ -124,7 +122,7 @@ def nixl_side(name, block_bytes=BLOCK, num_blocks=NUM_BLOCKS, wrap=None):
         agent = wrap(agent)
     registry = NixlSegmentRegistry(agent, "DRAM", 0)
     registry.attach(table)
-    return backend, table, agent, registry, SegmentedXferAgent(agent, registry)
+    return backend, table, agent, registry
 
 
 def block_view(table, block, block_bytes=BLOCK) -> torch.Tensor:
@@ -133,8 +131,8 @@ def block_view(table, block, block_bytes=BLOCK) -> torch.Tensor:
 
 
 def run_read(xfer_agent, local, local_ids, remote, remote_ids, notif_msg=b""):
-    """One READ through the agent, polled to its end and released: its
-    final state."""
+    """One READ through the agent (a NIXL agent or a wrapper of one), polled
+    to its end and released: its final state."""
     handle = xfer_agent.make_prepped_xfer(
         "READ", local, local_ids, remote, remote_ids, notif_msg=notif_msg
     )
