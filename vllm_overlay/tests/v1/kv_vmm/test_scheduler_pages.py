@@ -15,12 +15,7 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from vllm.v1.kv_vmm import pool_limits
-from vllm.v1.kv_vmm.pages import (
-    KVPageOps,
-    KVPagePolicy,
-    initial_kv_pages,
-    kv_step_blocks,
-)
+from vllm.v1.kv_vmm.pages import KVPageOps, KVPagePolicy
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 
 BPP = 4  # blocks per page
@@ -431,22 +426,3 @@ def test_ahead_blocks_of_an_idle_pool_are_not_mapped_back():
     ops = pool.take_page_ops() or KVPageOps()
     assert not ops.ahead and not ops.map
     assert pool.num_mapped_pages == 1  # only the null block's page when idle
-
-
-def test_startup_mapping_is_capped_by_the_limit():
-    policy = KVPagePolicy(
-        granularity=2 << 20, blocks_per_page=BPP, max_pages=2, ahead_blocks=100
-    )
-    assert initial_kv_pages(policy) == [0, 1]
-    policy.ahead_blocks = 0
-    policy.headroom_pages = 0
-    assert initial_kv_pages(policy) == [0]
-
-
-def test_step_blocks_bound():
-    # 8192 tokens in 16-token blocks, plus one partly filled block per request.
-    assert kv_step_blocks(8192, 256, [16]) == 512 + 256
-    # A step never schedules more requests than tokens.
-    assert kv_step_blocks(64, 1024, [16]) == 4 + 64
-    # Each KV cache group allocates its own blocks from the shared pool.
-    assert kv_step_blocks(8192, 256, [16, 32]) == (512 + 256) + (256 + 256)
