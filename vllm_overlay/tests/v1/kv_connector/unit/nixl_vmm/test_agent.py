@@ -5,11 +5,14 @@ against the registrations of the moment (same-host reads:
 test_same_host_agent.py). Real NIXL agents (UCX over the loopback), real host
 VMM memory."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    HeldCompletion,
     block_view,
     registry_side,
     requires_nixl,
@@ -102,6 +105,54 @@ def test_reads_resolve_against_current_registrations():
         d_xfer.remove_remote_agent(remote)
     finally:
         for backend, table, _, registry, _ in reversed(sides):
+            table.close()
+            registry.close()
+            backend.close()
+
+
+@requires_nixl
+def test_a_transfer_keeps_its_pages_mapped_until_it_is_over():
+    """The wrapper tells the registry which local bytes each transfer it
+    makes reads into: while one is in flight, an unmap of its page that may
+    not wait is refused; once it is over and released, the page unmaps.
+    (HeldCompletion reports the real transfer in flight until released.)"""
+    p_side = registry_side("prefill3")
+    d_side = registry_side("decode3", wrap=HeldCompletion)
+    _, p_table, p_agent, _ = p_side
+    _, d_table, held, d_registry = d_side
+    d_xfer = SegmentedXferAgent(held, d_registry)
+    try:
+        p_table.map_pages([0])
+        d_table.map_pages([0])
+        block_view(p_table, 2).fill_(9)
+        remote = d_xfer.add_remote_agent(p_agent.get_agent_metadata())
+        local = d_xfer.prep_xfer_dlist(
+            LOCAL, d_xfer.get_xfer_descs(table_descs(d_table), "DRAM")
+        )
+        remote_descs = d_xfer.prep_xfer_dlist(
+            remote, d_xfer.get_xfer_descs(table_descs(p_table), "DRAM")
+        )
+        handle = d_xfer.make_prepped_xfer("READ", local, [1], remote_descs, [2])
+        assert d_xfer.transfer(handle) == "PROC"
+        d_registry.unmap_timeout_s = 0.0
+        with pytest.raises(VmmError, match="cannot be unmapped"):
+            d_table.unmap_pages([0])
+        assert d_table.is_mapped(0)
+
+        held.released.set()
+        deadline = time.monotonic() + 60
+        state = "PROC"
+        while state == "PROC" and time.monotonic() < deadline:
+            state = d_xfer.check_xfer_state(handle)
+        assert state == "DONE"
+        assert torch.all(block_view(d_table, 1) == 9)
+        d_xfer.release_xfer_handle(handle)
+        d_table.unmap_pages([0])
+        assert not d_table.is_mapped(0)
+        d_xfer.remove_remote_agent(remote)
+    finally:
+        held.released.set()
+        for backend, table, _, registry in (d_side, p_side):
             table.close()
             registry.close()
             backend.close()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.utils import (
+    HeldCompletion,
     RecordingAgent,
     block_view,
     make_table,
@@ -128,47 +129,12 @@ def test_a_page_remapped_at_its_address_is_registered_again():
         _close(d_side, p_side)
 
 
-class _HeldCompletion:
-    """A real NIXL agent whose transfers report "PROC" until the test releases them.
-
-    A fake on purpose, and only for ordering: the transfer itself is real (UCX
-    moves the bytes between real host VMM pages), but whether it has finished is
-    what the unmap has to wait for, and a real transfer may finish inside
-    transfer() or at any moment after. Holding back the reported completion
-    makes "the unmap runs while the transfer is in flight" happen on every run
-    instead of when the transfer loses a race.
-    """
-
-    def __init__(self, agent) -> None:
-        self._agent = agent
-        self.released = threading.Event()
-        # Set once a state query was answered "PROC" because of the hold.
-        self.held_query = threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self._agent, name)
-
-    def real_state(self, xfer: NixlXfer) -> str:
-        return self._agent.check_xfer_state(xfer.handle)
-
-    def transfer(self, handle, *args, **kwargs) -> str:
-        state = self._agent.transfer(handle, *args, **kwargs)
-        return state if self.released.is_set() or state == "ERR" else "PROC"
-
-    def check_xfer_state(self, handle) -> str:
-        state = self._agent.check_xfer_state(handle)
-        if self.released.is_set() or state == "ERR":
-            return state
-        self.held_query.set()
-        return "PROC"
-
-
 @requires_nixl
 def test_unmap_waits_for_transfers_that_touch_the_segment():
     block = 2 << 20  # one block per page
     p_side = registry_side("prefill2", block_bytes=block, num_blocks=4)
     d_side = registry_side(
-        "decode2", block_bytes=block, num_blocks=4, wrap=_HeldCompletion
+        "decode2", block_bytes=block, num_blocks=4, wrap=HeldCompletion
     )
     try:
         _, p_table, p_agent, _ = p_side

@@ -5,12 +5,14 @@ rows, NIXL agents over them (same-host readers: same_host_utils.py)."""
 
 import importlib.util
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import NixlXfer
 from vllm.v1.kv_vmm import (
     HostVmmBackend,
     KVPageGeometry,
@@ -142,3 +144,38 @@ def run_read(xfer_agent, local, local_ids, remote, remote_ids, notif_msg=b""):
         state = xfer_agent.check_xfer_state(handle)
     xfer_agent.release_xfer_handle(handle)
     return state
+
+
+class HeldCompletion:
+    """A real NIXL agent whose transfers report "PROC" until the test releases them.
+
+    A fake on purpose, and only for ordering: the transfer itself is real (UCX
+    moves the bytes between real host VMM pages), but whether it has finished is
+    what the unmap has to wait for, and a real transfer may finish inside
+    transfer() or at any moment after. Holding back the reported completion
+    makes "the unmap runs while the transfer is in flight" happen on every run
+    instead of when the transfer loses a race.
+    """
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.released = threading.Event()
+        # Set once a state query was answered "PROC" because of the hold.
+        self.held_query = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+    def real_state(self, xfer: NixlXfer) -> str:
+        return self._agent.check_xfer_state(xfer.handle)
+
+    def transfer(self, handle, *args, **kwargs) -> str:
+        state = self._agent.transfer(handle, *args, **kwargs)
+        return state if self.released.is_set() or state == "ERR" else "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        state = self._agent.check_xfer_state(handle)
+        if self.released.is_set() or state == "ERR":
+            return state
+        self.held_query.set()
+        return "PROC"
