@@ -367,7 +367,6 @@ def item_tp2_startup(runner: Runner, prof: dict, out: Path, device: str, gpus: i
         print(f"tp{tp}-startup: compile-cache warm-up (not timed)", flush=True)
         serve_startup(runner, model, "default", tp, engine, timeout=900)
     runs: dict[str, list[float]] = {"default": [], "vmm": []}
-    reads: dict[str, list[float]] = {}
     for backend in ab_order(prof["repeats"]):
         if len(runs["default"]) == len(runs["vmm"]) and not budget.allows(
                 2 * prof["est_serve_s"]):
