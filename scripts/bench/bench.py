@@ -34,7 +34,9 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  KV shared through the device ledger first come first served and fairly,
                  and kvcached on the same vLLM where it is installed (else recorded as not
                  installed); the modes interleaved per repetition (--stock-path: a stock
-                 vLLM for the static and kvcached runs)
+                 vLLM for the static and kvcached runs); on CUDA the shared engines get
+                 the KV capacity the first mode measured (the static split's KV memory by
+                 default) as their ledger's capacity, so every mode holds the same KV memory
 
 Two-GPU items (5, 6) are skipped with a message on a host with fewer GPUs.
 

@@ -549,6 +549,10 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
                    "--logs", str(runner.logs)]
             if capacity:
                 cmd += ["--kv-capacity-bytes", str(capacity)]
+                if device == "cuda" and mode not in ("static", "kvcached"):
+                    # The same KV memory as the static split, not what the shared
+                    # engines would measure (bench_sharing.py: --shared-kv-bytes).
+                    cmd += ["--shared-kv-bytes", str(capacity)]
             if opts.get("weights"):
                 cmd += ["--weights", opts["weights"]]
             if stock_path and mode in ("static", "kvcached"):

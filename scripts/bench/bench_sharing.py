@@ -21,6 +21,22 @@ Modes (``--mode``), the same model and engine settings otherwise:
 
 ``--weights W0,W1,...`` gives the shared engines ``--kv-cache-vmm-share-weight``.
 
+``--shared-kv-bytes N`` (CUDA, shared modes) gives the shared engines'
+ledger that capacity (``--kv-cache-vmm-shared-bytes``) instead of measuring it: give the KV
+memory a static split's engines got together (what ``--mode static`` measures), so both modes
+hold the same KV memory. Measured by the shared engines themselves, the capacity is smaller
+than a static split's on the same share: it counts every engine's CUDA context and what the
+driver holds, which each static engine's own profile leaves out. (On CPU the shared
+engines' capacity is the static split's total already.)
+
+``--policies first-come,fair`` (with ``--mode fair`` or ``first-come``): the shared engines
+start once and every workload runs once per share policy in each repetition, the policies
+in the order given in even repetitions and reversed in odd ones; before each run the
+engines' entries in the device ledger are switched to that policy through the ledger CLI
+(``python -m vllm.v1.kv_vmm.ledger_cli set ENGINE --share-policy P``, the engines of this
+run's servers only). The policies then compare in interleaved pairs on the same engines,
+without the start-ups between them.
+
 The engines start one after another (each profiles the device with the earlier ones
 loaded), then:
 
@@ -78,7 +94,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_items import spread  # noqa: E402
 from bench_server import Server, fetch_metrics, metric_samples  # noqa: E402
 
 #: Share policy (--kv-cache-vmm-share-policy) of each mode on shared VMM KV; None: the flag
@@ -86,6 +101,9 @@ from bench_server import Server, fetch_metrics, metric_samples  # noqa: E402
 SHARED_MODES: dict[str, str | None] = {"first-come": "first-come", "fair": "fair",
                                        "shared": None}
 MODES = ("static", *SHARED_MODES, "kvcached")
+#: Share policies a run of shared engines may switch between (--policies).
+POLICIES = ("first-come", "fair")
+LEDGER_CLI = "vllm.v1.kv_vmm.ledger_cli"
 #: Timed rounds of the one-engine-busy phase, at least (over all repetitions of a mode).
 SINGLE_REPEATS = 5
 #: Overlap of consecutive engines' peaks in an over-subscribed workload, in turn.
@@ -166,9 +184,10 @@ def parse_workloads(text: str) -> list[dict]:
     return workloads
 
 
-def mode_settings(mode: str, device: str, prof: dict, engines: int) -> tuple[str | None, dict,
-                                                                            dict]:
-    """(--kv-cache-memory-backend or None, engine arguments, environment) of one engine."""
+def mode_settings(mode: str, device: str, prof: dict, engines: int,
+                  shared_kv_bytes: int | None = None) -> tuple[str | None, dict, dict]:
+    """(--kv-cache-memory-backend or None, engine arguments, environment) of one engine;
+    ``shared_kv_bytes``: the shared modes' ledger capacity on CUDA (None: measured)."""
     share = prof["share"]
     if mode == "static":
         if device == "cuda":
@@ -179,8 +198,11 @@ def mode_settings(mode: str, device: str, prof: dict, engines: int) -> tuple[str
         if SHARED_MODES[mode] is not None:
             args["kv_cache_vmm_share_policy"] = SHARED_MODES[mode]
         if device == "cuda":
+            if shared_kv_bytes is not None:
+                args["kv_cache_vmm_shared_bytes"] = shared_kv_bytes
             return "vmm", args | {"gpu_memory_utilization": share}, {}
-        return "vmm", args | {"kv_cache_memory_bytes": share, "kv_cache_vmm_shared_bytes": share}, {}
+        return "vmm", args | {"kv_cache_memory_bytes": share,
+                              "kv_cache_vmm_shared_bytes": share}, {}
     if mode == "kvcached":
         if device != "cuda":
             raise SystemExit("--mode kvcached needs a CUDA device")
@@ -441,6 +463,80 @@ def run_workload(servers: list[Server], model: str, plan: list, max_tokens: int,
     return run
 
 
+def parse_policies(text: str | None, mode: str) -> list[str] | None:
+    """``--policies``: share policies to switch between, each once, shared modes only."""
+    if text is None:
+        return None
+    policies = [x.strip() for x in text.split(",") if x.strip()]
+    if mode not in ("fair", "first-come"):
+        raise SystemExit(f"--policies needs --mode fair or first-come (not {mode}): the "
+                         "engines must be shared through the device ledger")
+    if not policies or len(set(policies)) != len(policies) or not set(policies) <= set(
+            POLICIES):
+        raise SystemExit(f"--policies {text!r}: give each of {', '.join(POLICIES)} at most "
+                         "once, comma-separated")
+    return policies
+
+
+def policy_order(policies: list[str], rep: int) -> list[str]:
+    """The policies of one repetition: as given, then reversed, ... (drift hits each alike)."""
+    return list(policies) if rep % 2 == 0 else list(reversed(policies))
+
+
+def descendants(pids: set[int], proc: Path = Path("/proc")) -> set[int]:
+    """``pids`` and every process below them (from each process's parent in /proc)."""
+    parents: dict[int, int] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 1 and fields[1].isdigit():
+            parents[int(stat.parent.name)] = int(fields[1])
+    found = set(pids)
+    while True:
+        more = {pid for pid, ppid in parents.items() if ppid in found and pid not in found}
+        if not more:
+            return found
+        found |= more
+
+
+def run_ledger_cli(argv: list[str], env: dict, timeout: float = 60) -> str:
+    """The ledger CLI's output; its error ends the run."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", LEDGER_CLI, *argv], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{LEDGER_CLI} {' '.join(argv)}: no answer in {timeout:g} s") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"{LEDGER_CLI} {' '.join(argv)}: exit status {proc.returncode}: "
+                         f"{proc.stderr.strip()[-500:]}")
+    return proc.stdout
+
+
+def set_share_policy(policy: str, server_pids: set[int], env: dict) -> int:
+    """Switch every ledger entry of the engines under ``server_pids`` to ``policy``;
+    returns how many entries were switched (an error if none)."""
+    ours = descendants(server_pids)
+    switched = 0
+    for doc in json.loads(run_ledger_cli(["list", "--json"], env)):
+        for entry in doc["entries"]:
+            if entry["pid"] not in ours:
+                continue
+            argv = ["set", entry["id"], "--key", doc["key"], "--share-policy", policy]
+            if "group" in doc["owner"]:
+                raise SystemExit(f"--policies: the ledger {doc['path']} is a group's; this "
+                                 "benchmark switches the ledgers of its own user only")
+            run_ledger_cli(argv, env)
+            switched += 1
+    if not switched:
+        raise SystemExit(f"--policies: no ledger entry of this run's engines found (pids "
+                         f"{sorted(ours)}) to switch to {policy}")
+    return switched
+
+
 def parse_weights(text: str | None, engines: int) -> list[float] | None:
     if text is None:
         return None
@@ -475,6 +571,11 @@ def main() -> None:
                    "(default: measured, see above)")
     p.add_argument("--weights", help="shared modes: --kv-cache-vmm-share-weight per engine, "
                    "comma-separated")
+    p.add_argument("--shared-kv-bytes", type=int, default=None,
+                   help="CUDA, shared modes: the ledger's capacity in bytes (default: measured "
+                   "by the engines; see above)")
+    p.add_argument("--policies", help="shared modes: share policies to run every workload "
+                   "with on the same engines, switched at runtime (e.g. first-come,fair)")
     p.add_argument("--logs", type=Path, default=None, help="server logs (default: beside --json)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a profile value (JSON value), e.g. --set peak_rate=8")
@@ -492,6 +593,10 @@ def main() -> None:
             raise SystemExit(f"{flag} {value}: give {least} or more")
     if args.kv_capacity_bytes is not None and args.kv_capacity_bytes < 1:
         raise SystemExit(f"--kv-capacity-bytes {args.kv_capacity_bytes}: give a positive size")
+    if args.shared_kv_bytes is not None and (args.shared_kv_bytes < 1 or args.device != "cuda"
+                                             or args.mode not in SHARED_MODES):
+        raise SystemExit(f"--shared-kv-bytes {args.shared_kv_bytes}: give a positive size, "
+                         "with --device cuda and a shared mode")
     prof = json.loads(json.dumps(PROFILES[args.device]))
     for item in args.set:
         key, _, value = item.partition("=")
@@ -501,10 +606,12 @@ def main() -> None:
         prof[key] = json.loads(value)
     workloads = parse_workloads(args.workloads)
     weights = parse_weights(args.weights, args.engines)
+    policies = parse_policies(args.policies, args.mode)
     config = json.loads((Path(args.model) / "config.json").read_text())
     vocab = min(30000, config.get("vocab_size", 30000))
     bytes_per_token = prof.get("kv_bytes_per_token") or kv_bytes_per_token(config)
-    backend, mode_args, mode_env = mode_settings(args.mode, args.device, prof, args.engines)
+    backend, mode_args, mode_env = mode_settings(args.mode, args.device, prof, args.engines,
+                                                 args.shared_kv_bytes)
     engine = prof["engine"] | mode_args
     logs = args.logs or args.json.parent
     logs.mkdir(parents=True, exist_ok=True)
@@ -532,7 +639,8 @@ def main() -> None:
                     "profile": prof, "engine": engine, "engine_args": engines_args,
                     "backend": backend or "default", "env": mode_env,
                     "python_path": args.python_path, "seed": args.seed,
-                    "weights": weights, "first_rep": args.first_rep, "repeats": args.repeats,
+                    "weights": weights, "policies": policies,
+                    "first_rep": args.first_rep, "repeats": args.repeats,
                     "workloads": workloads, "kv_bytes_per_token": bytes_per_token,
                     "kv_capacity_bytes": args.kv_capacity_bytes,
                     "capacity_source": "given (--kv-capacity-bytes)"
@@ -570,6 +678,17 @@ def main() -> None:
                 args.mode, servers, bytes_per_token)
             print(f"{args.mode}: KV capacity {result['kv_capacity_bytes'] / 2**30:.2f} GiB: "
                   f"{result['capacity_source']}", flush=True)
+        elif args.mode in ("static", *SHARED_MODES):
+            # Given: what this mode's engines got is recorded beside it (a static split and
+            # the shared engines may hold different KV memory on the same share).
+            try:
+                got, source = measure_capacity(args.mode, servers, bytes_per_token)
+                result["kv_capacity_measured"] = {"bytes": got, "source": source}
+                print(f"{args.mode}: KV capacity given {result['kv_capacity_bytes'] / 2**30:.2f}"
+                      f" GiB, this mode's engines have {got / 2**30:.2f} GiB: {source}",
+                      flush=True)
+            except SystemExit as e:
+                result["kv_capacity_measured"] = {"error": str(e)}
 
         # One untimed round first (the first batch of a size pays for its kernels), then
         # the timed ones: a round takes a few seconds and spreads widely.
@@ -585,25 +704,35 @@ def main() -> None:
                   f"{run['failed']} failed", flush=True)
             time.sleep(prof["shrink_delay_s"] + 1)
 
+        cli_env = {**base_env, **mode_env}
         for rep in range(args.first_rep, args.first_rep + args.repeats):
-            runs: dict = {}
-            for w in workloads:
-                if w["kind"] == "peak":
-                    plan, info = schedule(prof, args.engines, args.seed, rep, vocab), {}
-                    max_tokens = prof["output_len"]
-                else:
-                    plan, info = over_schedule(prof, args.engines, args.seed, rep, vocab, w,
-                                               result["kv_capacity_bytes"], bytes_per_token)
-                    max_tokens = prof["over_output_len"]
-                run = run_workload(servers, args.model, plan, max_tokens, prof["timeout_s"])
-                runs[w["name"]] = run | {"plan": info}
-                note_deaths()
-                print(f"{args.mode}: {w['name']} {rep}: {run['requests']} requests, "
-                      f"{run['failed']} failed, TTFT mean {run['ttft_mean_ms'] or 0:.0f} ms, "
-                      f"p99 {run['ttft_p99_ms'] or 0:.0f} ms, {run['output_tok_s'] or 0:.0f} "
-                      f"tok/s, {run['preemptions']} preemptions", flush=True)
-                time.sleep(prof["shrink_delay_s"] + 2)
-            result["runs"].append({"rep": rep, "workloads": runs})
+            for policy in policy_order(policies, rep) if policies else [None]:
+                if policy is not None:
+                    count = set_share_policy(policy, {s.proc.pid for s in servers}, cli_env)
+                    print(f"{args.mode}: repetition {rep}: {count} ledger entries switched to "
+                          f"{policy}", flush=True)
+                runs: dict = {}
+                for w in workloads:
+                    if w["kind"] == "peak":
+                        plan, info = schedule(prof, args.engines, args.seed, rep, vocab), {}
+                        max_tokens = prof["output_len"]
+                    else:
+                        plan, info = over_schedule(prof, args.engines, args.seed, rep, vocab,
+                                                   w, result["kv_capacity_bytes"],
+                                                   bytes_per_token)
+                        max_tokens = prof["over_output_len"]
+                    run = run_workload(servers, args.model, plan, max_tokens,
+                                       prof["timeout_s"])
+                    runs[w["name"]] = run | {"plan": info}
+                    note_deaths()
+                    print(f"{policy or args.mode}: {w['name']} {rep}: {run['requests']} "
+                          f"requests, {run['failed']} failed, TTFT mean "
+                          f"{run['ttft_mean_ms'] or 0:.0f} ms, p99 {run['ttft_p99_ms'] or 0:.0f}"
+                          f" ms, {run['output_tok_s'] or 0:.0f} tok/s, {run['preemptions']} "
+                          "preemptions", flush=True)
+                    time.sleep(prof["shrink_delay_s"] + 2)
+                result["runs"].append({"rep": rep, "workloads": runs}
+                                      | ({"policy": policy} if policy else {}))
         if args.mode in SHARED_MODES:
             text = fetch_metrics(servers[0]) or ""
             result["ledger_metrics"] = [line for line in text.splitlines()
@@ -614,7 +743,8 @@ def main() -> None:
     args.json.write_text(json.dumps(result, indent=1))
     for run in result["runs"]:
         print(json.dumps({name: {k: w[k] for k in ("ttft_mean_ms", "ttft_p99_ms", "failed")}
-                          for name, w in run["workloads"].items()}))
+                          for name, w in run["workloads"].items()}
+                         | ({"policy": run["policy"]} if "policy" in run else {})))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ def test_modes_split_or_share_the_device():
         assert backend == "vmm" and args["kv_cache_vmm_shared"]
         assert args.get("kv_cache_vmm_share_policy") == policy
         assert args["gpu_memory_utilization"] == PROF["share"]
+        assert "kv_cache_vmm_shared_bytes" not in args  # measured by the engines
+        _, args, _ = bs.mode_settings(mode, "cuda", PROF, 3, shared_kv_bytes=5 << 30)
+        assert args["kv_cache_vmm_shared_bytes"] == 5 << 30
     cpu = bs.PROFILES["cpu"]
     _, args, _ = bs.mode_settings("static", "cpu", cpu, 2)
     assert args == {"kv_cache_memory_bytes": cpu["share"] // 2}
@@ -455,6 +458,11 @@ def test_the_item_interleaves_the_modes_and_passes_the_measured_capacity_on(tmp_
     # The first process measured the capacity; every later one replays it.
     assert all("--kv-capacity-bytes" not in c for c in runner.cmds[:1])
     assert all(c[c.index("--kv-capacity-bytes") + 1] == str(20 << 30) for c in runner.cmds[1:])
+    # The shared engines get the static split's KV memory as their ledger's capacity.
+    shared = [c for c in runner.cmds[1:] if c[c.index("--mode") + 1] != "static"]
+    assert len(shared) == 6
+    assert all(c[c.index("--shared-kv-bytes") + 1] == str(20 << 30) for c in shared)
+    assert all("--shared-kv-bytes" not in c for c in runner.cmds if "static" in c)
     assert all(c[c.index("--workloads") + 1] == "peak,over1.5,over3"
                and c[c.index("--seed") + 1] == "4" and c[c.index("--weights") + 1] == "1,2"
                and c[c.index("--single-rounds") + 1] == "2" for c in runner.cmds)
@@ -541,6 +549,9 @@ def test_kvcached_is_looked_for_on_the_servers_python_path(tmp_path):
     (["--workloads", "over"], "workload 'over'"),
     (["--weights", "1,0,1"], "--weights '1,0,1': give 3 positive numbers"),
     (["--set", "bogus=1"], "--set bogus: not a profile value"),
+    (["--policies", "fair,fifo"], "--policies 'fair,fifo': give each of first-come, fair"),
+    (["--policies", "fair,fair"], "--policies 'fair,fair'"),
+    (["--shared-kv-bytes", "0"], "--shared-kv-bytes 0: give a positive size"),
 ])
 def test_bench_sharing_refuses_bad_arguments_before_starting_a_server(tmp_path, bad, message):
     (tmp_path / "config.json").write_text(json.dumps(
@@ -586,3 +597,65 @@ def test_the_capacity_is_asked_for_again_until_the_engines_publish_it():
             bs.measure_capacity("fair", [server], 100, wait_s=1.5)
     finally:
         httpd.shutdown()
+
+
+def test_policies_need_shared_engines_and_alternate_per_repetition():
+    assert bs.parse_policies(None, "static") is None
+    assert bs.parse_policies("first-come, fair", "fair") == ["first-come", "fair"]
+    with pytest.raises(SystemExit, match="needs --mode fair or first-come"):
+        bs.parse_policies("fair", "static")
+    assert bs.policy_order(["first-come", "fair"], 0) == ["first-come", "fair"]
+    assert bs.policy_order(["first-come", "fair"], 1) == ["fair", "first-come"]
+
+
+def fake_proc(tmp_path: Path, tree: dict[int, int]) -> Path:
+    """A /proc of processes ``{pid: parent}`` (names with spaces and parentheses)."""
+    proc = tmp_path / "proc"
+    for pid, ppid in tree.items():
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (vllm (core) x) S {ppid} 1 1 0\n")
+    (proc / "self").mkdir()
+    return proc
+
+
+def test_descendants_follow_the_parents_down():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        proc = fake_proc(Path(d), {1: 0, 10: 1, 11: 10, 12: 11, 20: 1, 21: 20, 30: 12})
+        assert bs.descendants({10}, proc) == {10, 11, 12, 30}
+        assert bs.descendants({20, 99}, proc) == {20, 21, 99}
+
+
+def test_the_share_policy_is_switched_for_this_runs_engines_only(tmp_path, monkeypatch):
+    """The ledger CLI lists two ledgers; the entries of engine cores below this run's servers
+    are switched, another engine's on the same device is left alone; no entry of ours is
+    an error that names the pids."""
+    proc = fake_proc(tmp_path, {100: 1, 101: 100, 200: 1, 201: 200, 300: 1})
+    real = bs.descendants
+    monkeypatch.setattr(bs, "descendants", lambda pids: real(pids, proc))
+    listing = [{"key": "GPU-a", "owner": "user root", "path": "/dev/shm/x/a.json",
+                "entries": [{"id": "aaa", "pid": 101}, {"id": "ccc", "pid": 300}]},
+               {"key": "GPU-b", "owner": "user root", "path": "/dev/shm/x/b.json",
+                "entries": [{"id": "bbb", "pid": 201}]}]
+    calls = []
+
+    def cli(argv, env, timeout=60):
+        calls.append(argv)
+        return json.dumps(listing) if argv[0] == "list" else ""
+
+    monkeypatch.setattr(bs, "run_ledger_cli", cli)
+    assert bs.set_share_policy("first-come", {100, 200}, {}) == 2
+    assert calls[1:] == [["set", "aaa", "--key", "GPU-a", "--share-policy", "first-come"],
+                         ["set", "bbb", "--key", "GPU-b", "--share-policy", "first-come"]]
+    with pytest.raises(SystemExit, match=r"no ledger entry of this run's engines.*\[400\]"):
+        bs.set_share_policy("fair", {400}, {})
+
+
+def test_a_failing_ledger_cli_ends_the_run_with_its_error(tmp_path, monkeypatch):
+    (tmp_path / "fake_ledger_cli.py").write_text(
+        "import sys\nprint('no such engine', file=sys.stderr)\nsys.exit(1)\n")
+    monkeypatch.setattr(bs, "LEDGER_CLI", "fake_ledger_cli")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    with pytest.raises(SystemExit, match="exit status 1: no such engine"):
+        bs.run_ledger_cli(["list", "--json"], env)

@@ -63,7 +63,7 @@ def test_cli_lists_and_sets_limits(ledger, capsys):
         (["capacity", "1GiB"], "capacity '1GiB' is not a size in bytes"),
         (["capacity", "1.5G"], "Decimals are not allowed"),
         (["capacity", str(1 << 61)], "larger than"),
-        (["set", "engine-a"], "give --limit-bytes, --floor-bytes or --weight"),
+        (["set", "engine-a"], "--floor-bytes, --weight or --share-policy"),
     ],
 )
 def test_cli_refuses_bad_sizes_in_one_line(ledger, capsys, argv, problem):

@@ -3,9 +3,9 @@
 """The fair share in the block pool: two engines' pools on one host ledger
 (real files, one clock): demand published, the holder capped at its share
 while the other waits, free pages given back first, preemption only after
-the delay, first come first served kept as an option, a weight changed
-through the ledger CLI moving the shares, and the ledger's new fields
-checked like the others."""
+the delay, first come first served kept as an option, a weight and a
+share policy changed through the ledger CLI at runtime, and the ledger's
+new fields checked like the others."""
 
 import json
 from dataclasses import dataclass
@@ -239,9 +239,52 @@ def test_first_come_keeps_what_it_mapped(ledger_base):
         step(b, clock, 0.2)
         assert not step(a, clock, 0.2)
     assert a.num_mapped_pages == peak
-    # No shares in the stats of a first-come engine.
-    (ledger,) = a.make_page_stats().ledger.values()
-    assert all("share_bytes" not in e for e in ledger["entries"])
+    # It keeps its pages, but its entry says so, and what it wants is
+    # published like a fair engine's (fair engines yield to it).
+    assert entry("a").share_policy == "first-come"
+    assert entry("b").share_policy == "fair"
+    wait_for(a, 20)
+    step(a, clock)
+    assert entry("a").waiting_bytes == 5 * PAGE
+    assert not a.share_preempt_pages() and a.admission_reserve_blocks() == 0
+    a.close()
+    b.close()
+
+
+def test_a_share_policy_set_through_the_cli_applies_at_runtime(ledger_base, capsys):
+    """An engine started first-come keeps its peak's pages while another
+    waits; switched to fair through the ledger CLI it gives them back at its
+    next ledger read, without a restart; switched back, it keeps them again
+    (no pressure carried over)."""
+    clock = Clock()
+    a = make_pool("a", clock, kv_cache_vmm_share_policy="first-come")
+    peak = grow_then_idle(a, clock)
+    b = start_waiting_engine(clock)
+    clock.now += 0.3
+    b.take_page_ops()
+    for _ in range(3):
+        step(a, clock, 0.3)
+    assert a.num_mapped_pages == peak
+    assert ledger_cli(["set", "a", "--key", "host", "--share-policy", "fair"]) == 0
+    assert ledger_cli(["list"]) == 0
+    assert "first-come" not in capsys.readouterr().out
+    b.take_page_ops()
+    ops = step(a, clock, 1.1)  # past the full ledger read's interval
+    assert ops is not None and ops.unmap
+    assert a.num_mapped_pages < peak and a._page_limit < 16
+    # Back to first-come: the cap goes at once, the pages given back stay
+    # given back.
+    assert (
+        ledger_cli(["set", "a", "--key", "host", "--share-policy", "first-come"]) == 0
+    )
+    step(a, clock, 1.1)
+    assert a._page_limit == 16 and a.admission_reserve_blocks() == 0
+    assert ledger_cli(["list"]) == 0
+    assert "first-come" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="2"):
+        ledger_cli(["set", "a", "--key", "host", "--share-policy", "fifo"])
+    assert "invalid choice: 'fifo'" in capsys.readouterr().err
+    assert entry("a").share_policy == "first-come"
     a.close()
     b.close()
 
@@ -326,6 +369,8 @@ def test_a_weight_set_through_the_cli_moves_the_shares(ledger_base, capsys):
         ("waiting_since", "yesterday"),
         ("used_bytes", 1.5),
         ("page_bytes", 0),
+        ("share_policy", "fifo"),
+        ("share_policy", 1),
     ],
 )
 def test_the_share_fields_of_a_ledger_are_checked(ledger_base, field, value):
@@ -341,8 +386,15 @@ def test_an_entry_without_the_share_fields_reads_as_an_older_engine(ledger_base)
     clock = Clock()
     a = make_pool("a", clock)
     ledger = rewrite_entry(
-        remove=("used_bytes", "waiting_bytes", "waiting_since", "weight")
+        remove=(
+            "used_bytes",
+            "waiting_bytes",
+            "waiting_since",
+            "weight",
+            "share_policy",
+        )
     )
+    assert ledger.read().entries[0].share_policy == "fair"
     demand = ledger.read().entries[0].demand()
     assert demand.weight == 1.0 and demand.waiting_bytes == 0
     assert demand.used_bytes == demand.mapped_bytes

@@ -64,10 +64,12 @@ class DeviceShare:
         self.mapped_pages = initial_pages
         self.room_pages = 0
         self.limit_pages: int | None = None
-        # The engine's fair-share weight as the ledgers show it (the ledger
-        # CLI may change it), and whether the states read carry each
-        # engine's fair share (set by the fair share, for its metrics).
+        # The engine's fair-share weight and share policy as the ledgers
+        # show them (the ledger CLI may change both), and whether the states
+        # read carry each engine's fair share (set by the fair share, for
+        # its metrics).
         self.weight = 1.0
+        self.share_policy = "fair"
         self.report_shares = False
         self.parsed: dict[str, LedgerState] = {}
         self.ledgers: list[tuple[KVMemoryLedger, str, int]] = []
@@ -114,6 +116,7 @@ class DeviceShare:
             fixed=options.capacity_bytes is not None,
             weight=self.weight,
             page_bytes=page_bytes,
+            share_policy=self.share_policy,
         )
 
     def _failed(self, ledger: KVMemoryLedger, error: LedgerError) -> None:
@@ -207,6 +210,7 @@ class DeviceShare:
             )
             self.parsed[ledger.key] = state
             self.weight = entry.weight
+            self.share_policy = entry.share_policy
             pages = state.room(entry_id) // page_bytes
             room = pages if room is None else min(room, pages)
             pages = entry.floor_bytes // page_bytes

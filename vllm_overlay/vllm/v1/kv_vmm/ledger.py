@@ -60,6 +60,7 @@ from vllm.v1.kv_vmm.ledger_format import (
     MAX_LEDGER_FILE_BYTES,
     MAX_NAME_CHARS,
     MAX_SHARE_WEIGHT,
+    SHARE_POLICIES,
     LedgerEntry,
     LedgerState,
     _check_bytes,
@@ -82,6 +83,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_SHARE_WEIGHT",
     "SERVING_LOCK_TIMEOUT_S",
+    "SHARE_POLICIES",
     "STAMP_SETTLE_S",
     "check_entry_fields",
     "find_entry",
@@ -339,14 +341,15 @@ class KVMemoryLedger:
         fixed: bool = False,
         weight: float = 1.0,
         page_bytes: int = 1,
+        share_policy: str = "fair",
     ) -> str:
         """Add this engine; return its entry id.
 
         ``capacity_bytes`` is used if the ledger has no capacity yet (the
         first engine, when no starting engine measured one), or with
         ``fixed`` (an explicit size) unless an explicit size is set already.
-        ``weight`` and ``page_bytes``: its fair share's weight and its page
-        size on the device.
+        ``weight``, ``page_bytes`` and ``share_policy``: its fair share's
+        weight, its page size on the device and its share policy.
         """
         check_entry_fields(
             {
@@ -355,6 +358,7 @@ class KVMemoryLedger:
                 "name": name,
                 "weight": weight,
                 "page_bytes": page_bytes,
+                "share_policy": share_policy,
             }
         )
         _check_bytes("capacity_bytes", capacity_bytes, 0)
@@ -369,6 +373,7 @@ class KVMemoryLedger:
             limit_bytes=limit_bytes,
             weight=weight,
             page_bytes=page_bytes,
+            share_policy=share_policy,
         )
         with self._locked(create=True) as state:
             assert state is not None
@@ -424,9 +429,10 @@ class KVMemoryLedger:
 
     def update(self, entry_id: str, **fields: Any) -> LedgerEntry | None:
         """Set fields of one entry (``floor_bytes``, ``limit_bytes``,
-        ``name``, ``weight``, and what the engine publishes for the fair
-        share: ``used_bytes``, ``waiting_bytes``, ``waiting_since``); returns
-        the entry, None if there is no such entry."""
+        ``name``, ``weight``, ``share_policy``, and what the engine publishes
+        for the fair share: ``used_bytes``, ``waiting_bytes``,
+        ``waiting_since``); returns the entry, None if there is no such
+        entry."""
         check_entry_fields(fields)
         with self._locked(create=False) as state:
             entry = state.entry(entry_id) if state is not None else None

@@ -5,7 +5,7 @@
     python -m vllm.v1.kv_vmm.ledger_cli list [--key KEY] [--json]
     python -m vllm.v1.kv_vmm.ledger_cli set ENGINE --key KEY \\
         [--limit-bytes SIZE|none] [--floor-bytes SIZE] [--weight W] \\
-        [--group G | --user U]
+        [--share-policy fair|first-come] [--group G | --user U]
     python -m vllm.v1.kv_vmm.ledger_cli capacity SIZE --key KEY \\
         [--group G | --user U]
 
@@ -17,13 +17,17 @@ with ``--kv-cache-vmm-shared-group G``; ``--user``: another user's ledger
 next step (free pages first, cached prefix blocks on them evicted).
 ``--weight``: the engine's fair-share weight (a positive number; shares
 are proportional to it), applied at the engines' next ledger read.
+``--share-policy``: the engine's ``--kv-cache-vmm-share-policy``, applied
+at its next ledger read (an idle engine's: at its next step): ``fair``
+yields its pages beyond its share to engines below theirs that wait,
+``first-come`` keeps what it maps.
 
 ``list`` shows per engine what it maps, its floor and limit, its demand
 (pages with a block in use plus what its waiting requests need), how long
 its requests have waited for KV memory, its weight and its fair share of
 the capacity now (``vllm.v1.kv_vmm.shares.fair_shares`` of the
-entries; engines of ``--kv-cache-vmm-share-policy first-come`` are
-shown with it too, but do not act on it).
+entries) and its share policy (an engine of ``first-come`` is shown with
+a share too, but does not act on it).
 
 Exit status: 0 done, 1 no such ledger or engine, 2 a bad argument or a
 ledger that is unsafe or not valid (one line on stderr says which and
@@ -46,6 +50,7 @@ from vllm.v1.kv_vmm import shm_files
 from vllm.v1.kv_vmm.ledger import (
     MAX_LEDGER_BYTES,
     MAX_SHARE_WEIGHT,
+    SHARE_POLICIES,
     KVMemoryLedger,
     LedgerState,
     find_entry,
@@ -117,7 +122,8 @@ def format_state(state: LedgerState, ledger: KVMemoryLedger | None = None) -> st
         f"{state.key}: capacity {_gib(state.capacity_bytes)}, "
         f"held {_gib(state.held_bytes)}, free {_gib(state.free_bytes)}{where}",
         f"  {'id':<12} {'pid':>8} {'mapped':>12} {'floor':>12} {'limit':>12} "
-        f"{'demand':>12} {'waited':>8} {'weight':>7} {'share':>12}  name",
+        f"{'demand':>12} {'waited':>8} {'weight':>7} {'share':>12} "
+        f"{'policy':<10}  name",
     ]
     for e in state.entries:
         demand = e.demand().demand_bytes
@@ -125,7 +131,8 @@ def format_state(state: LedgerState, ledger: KVMemoryLedger | None = None) -> st
             f"  {e.id:<12} {e.pid:>8} {_gib(e.mapped_bytes):>12} "
             f"{_gib(e.floor_bytes):>12} {_gib(e.limit_bytes):>12} "
             f"{_gib(demand):>12} {_waited(e.waiting_since, now):>8} "
-            f"{e.weight:>7g} {_gib(shares[e.id]):>12}  {e.name}"
+            f"{e.weight:>7g} {_gib(shares[e.id]):>12} {e.share_policy:<10}  "
+            f"{e.name}"
         )
     return "\n".join(lines)
 
@@ -230,7 +237,7 @@ def _run(args: argparse.Namespace, directory: str | None) -> int:
             )
             return 1
         return 0
-    fields: dict[str, float | None] = {}
+    fields: dict[str, float | str | None] = {}
     if args.limit_bytes is not None:
         none = args.limit_bytes.strip().lower() == "none"
         fields["limit_bytes"] = (
@@ -240,8 +247,12 @@ def _run(args: argparse.Namespace, directory: str | None) -> int:
         fields["floor_bytes"] = parse_bytes(args.floor_bytes, "--floor-bytes")
     if args.weight is not None:
         fields["weight"] = parse_weight(args.weight)
+    if args.share_policy is not None:
+        fields["share_policy"] = args.share_policy
     if not fields:
-        raise UsageError("set: give --limit-bytes, --floor-bytes or --weight")
+        raise UsageError(
+            "set: give --limit-bytes, --floor-bytes, --weight or --share-policy"
+        )
     state = ledger.read()
     if state is None:
         print(f"no KV memory ledger for {args.key} ({ledger.path})", file=sys.stderr)
@@ -264,12 +275,19 @@ def main(argv: Sequence[str] | None = None, directory: str | None = None) -> int
     p_list.add_argument("--key", help="device UUID, or 'host'")
     p_list.add_argument("--json", action="store_true")
     p_set = sub.add_parser(
-        "set", help="an engine's limit and floor, in bytes, and its weight"
+        "set",
+        help="an engine's limit and floor, in bytes, its weight and share policy",
     )
     p_set.add_argument("engine", help="entry id, pid or name")
     p_set.add_argument("--limit-bytes", help="SIZE (at least 1), or none")
     p_set.add_argument("--floor-bytes", help="SIZE (0 or more)")
     p_set.add_argument("--weight", help="fair-share weight (a positive number)")
+    p_set.add_argument(
+        "--share-policy",
+        choices=SHARE_POLICIES,
+        help="fair: give pages beyond the share to waiting engines; "
+        "first-come: keep what it maps",
+    )
     p_cap = sub.add_parser("capacity", help="the KV memory the engines share")
     p_cap.add_argument("size", help="SIZE (0 or more)")
     for p in (p_set, p_cap):

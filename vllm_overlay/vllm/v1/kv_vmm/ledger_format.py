@@ -11,8 +11,9 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
+from vllm.v1.kv_vmm.page_policy import KVSharePolicy
 from vllm.v1.kv_vmm.shares import EngineDemand, fair_shares
 
 #: The ledger's format; another number is refused (an engine of another
@@ -32,6 +33,8 @@ MAX_NAME_CHARS = 256
 MAX_SHARE_WEIGHT = 1e6
 #: Most fields of a later version an entry or the ledger may carry.
 MAX_EXTRA_FIELDS = 32
+#: What an entry's ``share_policy`` may be (``--kv-cache-vmm-share-policy``).
+SHARE_POLICIES: tuple[str, ...] = get_args(KVSharePolicy)
 
 
 @dataclass
@@ -60,6 +63,10 @@ class LedgerEntry:
     blocks, on the host's monotonic clock; None: they do not."""
     weight: float = 1.0
     """``--kv-cache-vmm-share-weight`` (the ledger CLI may change it)."""
+    share_policy: str = "fair"
+    """``--kv-cache-vmm-share-policy`` (the ledger CLI may change it): an
+    engine of ``first-come`` publishes its demand but keeps what it maps
+    while others wait; one of ``fair`` yields its pages beyond its share."""
     page_bytes: int = 1
     """Bytes one of its pages takes on the device."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -204,7 +211,14 @@ _ENTRY_ID_LEN = 12
 _ENTRY_FIELDS = {f for f in LedgerEntry.__dataclass_fields__} - {"extra"}
 #: Fields an entry of an older version has not.
 _SHARE_FIELDS = frozenset(
-    ("used_bytes", "waiting_bytes", "waiting_since", "weight", "page_bytes")
+    (
+        "used_bytes",
+        "waiting_bytes",
+        "waiting_since",
+        "weight",
+        "share_policy",
+        "page_bytes",
+    )
 )
 _STATE_FIELDS = {
     "format",
@@ -259,6 +273,13 @@ def _check_share_fields(where: str, doc: dict[str, Any]) -> None:
         _check_time(f"{where}.waiting_since", doc["waiting_since"])
     if "weight" in doc:
         _check_weight(f"{where}.weight", doc["weight"])
+    if "share_policy" in doc:
+        _check_type(f"{where}.share_policy", doc["share_policy"], (str,))
+        if doc["share_policy"] not in SHARE_POLICIES:
+            raise _Invalid(
+                f"{where}.share_policy is {doc['share_policy'][:40]!r}, not one "
+                f"of {', '.join(SHARE_POLICIES)}"
+            )
     if "page_bytes" in doc:
         _check_bytes(f"{where}.page_bytes", doc["page_bytes"], 1)
 

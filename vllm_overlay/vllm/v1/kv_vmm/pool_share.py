@@ -14,9 +14,15 @@ the pressure lasted the preemption delay, has the scheduler preempt its
 newest running requests for the rest (vLLM's own preemption: they are
 recomputed later). The last running request is never preempted.
 
+With ``--kv-cache-vmm-share-policy first-come`` the pool publishes its
+demand all the same (fair engines on the device yield to it) but keeps what
+it maps. The policy is the entry's in the ledger, which the ledger CLI may
+change (``set ENGINE --share-policy``): the pool follows it from its next
+ledger read on, so an operator switches policies without a restart.
+
 The engine picks :class:`FairSharePagedBlockPool` for VMM-backed KV memory;
-without a device ledger, or with ``--kv-cache-vmm-share-policy
-first-come``, it acts as :class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool`.
+without a device ledger it acts as
+:class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool`.
 """
 
 import itertools
@@ -30,6 +36,7 @@ from vllm.v1.kv_vmm.fair_share import (
     ReclaimOptions,
     ShareDecision,
 )
+from vllm.v1.kv_vmm.page_policy import KVSharePolicy
 from vllm.v1.kv_vmm.pages import KVShareOptions
 from vllm.v1.kv_vmm.pool_limits import (
     LEDGER_FULL_READ_INTERVAL_S,
@@ -43,30 +50,63 @@ logger = init_logger(__name__)
 class DeviceFairShare:
     """The fair share of a pool's devices: one :class:`FairShareController`
     per device ledger of its :class:`DeviceShare`, what the pool last
-    published there and the last decision."""
+    published there and the last decision. It acts only while the share
+    policy in the ledger is ``fair``."""
 
     def __init__(
-        self, share: DeviceShare, weight: float, reclaim: ReclaimOptions
+        self,
+        share: DeviceShare,
+        weight: float,
+        reclaim: ReclaimOptions,
+        policy: KVSharePolicy = "fair",
     ) -> None:
         self.share = share
+        self.reclaim = reclaim
         share.weight = weight
-        share.update(lambda page_bytes: {"weight": weight})
+        share.share_policy = policy
+        share.update(lambda page_bytes: {"weight": weight, "share_policy": policy})
         # The states the pool reads carry each engine's share (the metrics).
         share.report_shares = True
-        self.controllers = [
-            FairShareController(entry_id, page_bytes, reclaim)
-            for _, entry_id, page_bytes in share.ledgers
-        ]
+        self.policy: str = policy
+        self.controllers = self._controllers()
         self.published: tuple[int, int, bool] | None = None
         self.published_at = float("-inf")
         self.decision: ShareDecision | None = None
+
+    def _controllers(self) -> list[FairShareController]:
+        return [
+            FairShareController(entry_id, page_bytes, self.reclaim)
+            for _, entry_id, page_bytes in self.share.ledgers
+        ]
+
+    @property
+    def acting(self) -> bool:
+        """Whether the share policy is ``fair`` as the ledgers last showed
+        it; a change is logged, and a policy turned back to ``fair`` starts
+        afresh (no pressure or hold carried over from before)."""
+        policy = self.share.share_policy
+        if policy != self.policy:
+            logger.info(
+                "KV memory of %s: share policy %s (set in the device ledger; "
+                "it was %s)",
+                ", ".join(self.share.devices),
+                policy,
+                self.policy,
+            )
+            self.policy = policy
+            self.controllers = self._controllers()
+        return policy == "fair"
 
     def decide(self, now: float, free_pages: int) -> ShareDecision | None:
         """Step every device's controller on the ledgers as last read: the
         smallest effective limit, the largest reclaim, preemption where any
         device allows it; the share on the device of the largest page.
-        None without a ledger read yet."""
+        None without a ledger read yet, or while the policy is not
+        ``fair``."""
         share = self.share
+        if not self.acting:
+            self.decision = None
+            return None
         decisions: list[tuple[int, ShareDecision]] = []
         for (ledger, entry_id, page_bytes), controller in zip(
             share.ledgers, self.controllers
@@ -119,8 +159,8 @@ class DeviceFairShare:
 
 class FairSharePagedBlockPool(PagedBlockPool):
     """:class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool` that shares its
-    devices fairly with the other engines of their ledgers once
-    :meth:`set_share_options` selects the fair policy."""
+    devices fairly with the other engines of their ledgers while the share
+    policy (:meth:`set_share_options`, then the ledger) is ``fair``."""
 
     def __init__(self, *args, **kwargs) -> None:
         # The base class reads the ledgers (the _share_* hooks) on its way.
@@ -128,7 +168,9 @@ class FairSharePagedBlockPool(PagedBlockPool):
         super().__init__(*args, **kwargs)
 
     def _init_fair_share(self) -> None:
-        # The fair share of the devices, once set_share_options started it.
+        # The fair share of the devices, once set_share_options started it
+        # (with a device ledger, whatever the policy: the demand is
+        # published either way).
         self._fair: DeviceFairShare | None = None
         # The last decision: the effective limit (None: the page limit),
         # pages still to give back, whether preempting for them is allowed.
@@ -152,23 +194,27 @@ class FairSharePagedBlockPool(PagedBlockPool):
         return limit
 
     def set_share_options(self, options: KVShareOptions) -> None:
-        """The scheduler's call at startup: with a device ledger and the
-        fair policy, share the devices fairly from now on (first come,
-        first served before and otherwise)."""
+        """The scheduler's call at startup: with a device ledger, publish
+        this engine's demand from now on, and share the devices fairly while
+        the policy is ``fair`` (first come, first served before and
+        otherwise)."""
         share = self._share
-        if not isinstance(share, DeviceShare) or (
-            options.kv_cache_vmm_share_policy != "fair"
-        ):
+        if not isinstance(share, DeviceShare):
             return
         reclaim = ReclaimOptions(
             bytes_per_s=options.kv_cache_vmm_reclaim_bytes_per_s,
             preempt_delay_s=options.kv_cache_vmm_reclaim_preempt_delay,
         )
-        self._fair = DeviceFairShare(share, options.kv_cache_vmm_share_weight, reclaim)
+        policy = options.kv_cache_vmm_share_policy
+        self._fair = DeviceFairShare(
+            share, options.kv_cache_vmm_share_weight, reclaim, policy
+        )
         logger.info(
-            "KV memory of %s is shared fairly (weight %g, reclaim up to %d bytes "
-            "per second, preemption after %.1f s of pressure)",
+            "KV memory of %s is shared %s (weight %g, reclaim up to %d bytes "
+            "per second, preemption after %.1f s of pressure; the ledger CLI "
+            "may change the policy and the weight)",
             ", ".join(share.devices),
+            "fairly" if policy == "fair" else "first come, first served",
             options.kv_cache_vmm_share_weight,
             reclaim.bytes_per_s,
             reclaim.preempt_delay_s,
@@ -290,7 +336,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         return self._share_reclaim - len(self._share_surplus())
 
     def _share_step_due_in(self, due: float | None) -> float | None:
-        if self._fair is None or not self.idle:
+        if self._fair is None or self._fair.policy != "fair" or not self.idle:
             return due
         if self._pages_beyond_floor() <= 0:
             return due
