@@ -399,3 +399,20 @@ def test_an_entry_without_the_share_fields_reads_as_an_older_engine(ledger_base)
     assert demand.weight == 1.0 and demand.waiting_bytes == 0
     assert demand.used_bytes == demand.mapped_bytes
     a.close()
+
+
+def test_the_requests_are_looked_at_once_per_publish_interval(ledger_base):
+    """The scheduler calls note_waiting at every step; the pool looks at the
+    requests (a pass over the running ones) no more often than it may
+    publish what they want."""
+    clock = Clock()
+    a = make_pool("a", clock)
+    wait_for(a, 0)
+    assert a._waiting_blocks == 0 and a._waiting_since is None
+    clock.now += 0.01
+    wait_for(a, 40)  # within the interval: not looked at
+    assert a._waiting_blocks == 0 and a._waiting_since is None
+    clock.now += 0.05
+    wait_for(a, 40)
+    assert a._waiting_blocks == 40 and a._waiting_since == clock.now
+    a.close()

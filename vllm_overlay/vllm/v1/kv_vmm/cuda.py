@@ -377,8 +377,10 @@ _KEPT_EVENTS = 64
 class CudaCopyStream(DeviceCopyStream):
     """A non-blocking stream of the backend's device; copies are one
     ``cuMemcpyBatchAsync`` per call, through ctypes with the columns as
-    they are where the driver has it, else through the bindings (one
-    ``cuMemcpyAsync`` per run with bindings before CUDA 12.8). Events are
+    they are, where the driver has it (12.8 and later), else one
+    ``cuMemcpyAsync`` per run. The bindings' own ``cuMemcpyBatchAsync``
+    (a Python object per address) is not used: every driver that has the
+    batch has ``cuGetProcAddress_v2`` to reach it without them. Events are
     reused once freed. Each call makes the device's primary context
     current on a thread that has none (``bind_thread``)."""
 
@@ -391,9 +393,6 @@ class CudaCopyStream(DeviceCopyStream):
             "cuStreamCreate",
         )
         self._batch_fn = _batch_copy_fn()
-        # Older cuda-bindings releases have no batched copy.
-        self._batch: Any = getattr(drv, "cuMemcpyBatchAsync", None)
-        self._attrs: list[Any] | None = None
         self._c_attrs = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
         self._c_attrs_idx = ctypes.c_size_t(0)
         self._fail_idx = ctypes.c_size_t(0)
@@ -409,8 +408,6 @@ class CudaCopyStream(DeviceCopyStream):
             return
         if self._batch_fn is not None:
             self._copy_columns(runs)
-        elif self._batch is not None:
-            self._copy_bindings(runs.tolist())
         else:
             drv, check = self._backend._drv, self._backend._check
             for dst, src, n in runs.tolist():
@@ -441,28 +438,6 @@ class CudaCopyStream(DeviceCopyStream):
                 (drv.CUresult(err),),
                 f"cuMemcpyBatchAsync of {n} copies (copy {self._fail_idx.value})",
             )
-
-    def _copy_bindings(self, rows: list[list[int]]) -> None:
-        drv, check = self._backend._drv, self._backend._check
-        if self._attrs is None:
-            attrs = drv.CUmemcpyAttributes()
-            attrs.srcAccessOrder = (
-                drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-            )
-            self._attrs = [attrs]
-        check(
-            self._batch(
-                [drv.CUdeviceptr(r[0]) for r in rows],
-                [drv.CUdeviceptr(r[1]) for r in rows],
-                [r[2] for r in rows],
-                len(rows),
-                self._attrs,
-                [0],
-                1,
-                self._stream,
-            ),
-            "cuMemcpyBatchAsync",
-        )
 
     def record(self) -> Any:
         drv, check = self._backend._drv, self._backend._check

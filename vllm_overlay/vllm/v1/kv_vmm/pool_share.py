@@ -183,6 +183,8 @@ class FairSharePagedBlockPool(PagedBlockPool):
         # monotonic clock).
         self._waiting_blocks = 0
         self._waiting_since: float | None = None
+        # When note_waiting last looked at the requests.
+        self._waiting_noted_at = float("-inf")
 
     @property
     def _page_limit(self) -> int:
@@ -298,9 +300,17 @@ class FairSharePagedBlockPool(PagedBlockPool):
         whose requests just finished holds free blocks that its next
         requests will fill, and a want of what is in use alone would
         shrink its share at every turnover of its requests.
+
+        The requests are looked at once per :data:`LEDGER_READ_INTERVAL_S`
+        at most (the want is published no more often), not at every step:
+        the running ones are a pass over every running request.
         """
         if self._fair is None:
             return
+        now = self.clock()
+        if 0 <= now - self._waiting_noted_at < LEDGER_READ_INTERVAL_S:
+            return
+        self._waiting_noted_at = now
 
         def blocks(reqs: Iterable[Any]) -> int:
             return sum(-(-r.num_tokens // block_size) * num_groups for r in reqs)
@@ -312,7 +322,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         if need <= free:
             self._waiting_since = None
         elif self._waiting_since is None:
-            self._waiting_since = self.clock()
+            self._waiting_since = now
 
     def admission_reserve_blocks(self) -> int:
         """Free blocks a waiting or preempted request may not take: those of
