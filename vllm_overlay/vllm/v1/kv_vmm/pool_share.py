@@ -79,11 +79,10 @@ class DeviceFairShare:
             for _, entry_id, page_bytes in self.share.ledgers
         ]
 
-    @property
-    def acting(self) -> bool:
-        """Whether the share policy is ``fair`` as the ledgers last showed
-        it; a change is logged, and a policy turned back to ``fair`` starts
-        afresh (no pressure or hold carried over from before)."""
+    def follow_policy(self) -> bool:
+        """Take the share policy the ledgers last showed; whether it is
+        ``fair``. A change is logged, and a policy turned back to ``fair``
+        starts afresh (no pressure or hold carried over from before)."""
         policy = self.share.share_policy
         if policy != self.policy:
             logger.info(
@@ -104,7 +103,7 @@ class DeviceFairShare:
         None without a ledger read yet, or while the policy is not
         ``fair``."""
         share = self.share
-        if not self.acting:
+        if not self.follow_policy():
             self.decision = None
             return None
         decisions: list[tuple[int, ShareDecision]] = []
