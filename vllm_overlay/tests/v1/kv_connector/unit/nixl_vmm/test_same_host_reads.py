@@ -3,8 +3,8 @@
 """Same-host reads over the channel (SameHostReads): reads copied out of the
 chunks a producer shares, a read that waits for chunks sent before it,
 channels that cannot open (counted by reason) and those tried again, a
-producer that dies mid-read. Real exporter, sockets, processes and host VMM
-memory."""
+producer that dies mid-read; on a GPU host, CUDA chunks imported and
+copied. Real exporter, sockets, processes and host VMM memory."""
 
 import os
 import socket
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.channel_utils import (  # noqa: F401 (fixture)
     producer_fixture,
@@ -39,16 +40,21 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     rows,
     wait_until,
 )
+from tests.v1.kv_vmm.cuda_utils import requires_cuda_vmm
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
     SameHostUnavailable,
     new_secret,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import copier_for
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
     ChunkExporter,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.importer import (
     ChunkImporter,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
+    SameHostReads,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
     Fallback,
@@ -341,3 +347,64 @@ def test_a_producer_that_dies_mid_read_fails_the_read(copier_cls):
         copier.gate.set()
         child.kill()
         reads.close()
+
+
+@pytest.mark.gpu
+@requires_cuda_vmm
+@pytest.mark.parametrize("copy", ["kernel", "batch"])
+def test_cuda_chunks_are_imported_and_copied(copy):
+    """CUDA backend: the exported allocations are imported, mapped with
+    access for the reader's device and copied asynchronously, by the copy
+    kernel or with one batched copy, a read that a poll completes: blocks in
+    another order on each side (runs of one block) and adjacent ones (one
+    run)."""
+    from vllm.v1.kv_vmm.cuda import CudaVmmBackend
+
+    backend = CudaVmmBackend(torch.device("cuda", 0))
+    if not backend.fd_exportable:
+        pytest.skip("the device cannot export allocations as POSIX fds")
+    _, table = make_table(backend)
+    name, secret = f"p-{uuid.uuid4()}", new_secret()
+    exporter = ChunkExporter(name, secret)
+    exporter.attach(table)
+    reader_backend = CudaVmmBackend(torch.device("cuda", 0))
+    copier = copier_for(reader_backend, copy_kernel=copy == "kernel")
+    # On a GPU host the kernel must be there when asked for.
+    assert (copier.kernel is not None) == (copy == "kernel")
+    reads = SameHostReads(reader_backend, copier, "reader")
+    try:
+        table.map_pages([0, 1])
+        for block in range(16):
+            flat = table.tensors[0].view(torch.uint8)
+            flat[block * BLOCK : (block + 1) * BLOCK].fill_(block + 1)
+        torch.accelerator.synchronize()
+        assert reads.offer(name, secret)
+        wait_until(lambda: reads.importer(name).num_mapped == 2)
+        dst = torch.zeros(16 * BLOCK, dtype=torch.uint8, device="cuda")
+        local = [0, 1, 2, 3, 4, 5, 6, 7]
+        remote = [9, 3, 12, 0, 15, 4, 5, 6]  # two pages; 4, 5, 6 adjacent
+        xfer = make_read(
+            reads,
+            name,
+            rows(dst.data_ptr(), local),
+            rows(table.tensors[0].data_ptr(), remote),
+            b"",
+            Notifs(),
+        )
+        assert len(xfer.runs) == len(local)
+        assert len(xfer.runs.coalesced()) == 6
+        xfer.post()
+        assert finish(xfer) == "DONE"
+        got = dst.view(16, BLOCK).cpu()
+        for i, block in enumerate(remote):
+            assert bool((got[i] == block + 1).all()), (i, block)
+        assert bool((got[len(local) :] == 0).all())
+        xfer.release()
+        table.unmap_pages([0, 1])
+        assert reads.importer(name).num_mapped == 0
+    finally:
+        reads.close()
+        exporter.close()
+        table.close()
+        backend.close()
+        reader_backend.close()
