@@ -1,25 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Helpers of the same-host path's tests: producers sharing a host VMM page
-table, same-host readers (and their fixtures), and copiers that hold a read
-in flight."""
+"""Helpers of the same-host path's tests: same-host readers (and their
+fixture), and copiers that hold a read in flight (producers:
+channel_utils.py)."""
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from tests.v1.kv_connector.unit.nixl_vmm.utils import make_table, rows, wait_until
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
+from tests.v1.kv_connector.unit.nixl_vmm.utils import rows, wait_until
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     CopyJob,
     HostCopier,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
-    ChunkExporter,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
     SameHostReads,
@@ -74,50 +69,11 @@ def read_block(reads, producer, dst, block, notif_msg=b"", notify=None):
     )
 
 
-def prove(sock, producer_name: str, secret: bytes, name: str):
-    """The reader's side of the handshake on a raw socket: ``Hello``, the
-    producer's ``Challenge``, our ``Proof``."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
-
-    boot_id, hostname = channel.host_identity()
-    nonce = channel.new_nonce()
-    channel.send(
-        sock, channel.Hello(name=name, boot_id=boot_id, hostname=hostname, nonce=nonce)
-    )
-    challenge, _ = channel.recv(sock, channel.CHALLENGE)
-    mine = channel.proof(
-        secret, "reader", (challenge.nonce, nonce), producer_name, name
-    )
-    channel.send(sock, channel.Proof(proof=mine))
-
-
 class Notifs(list):
     """Collects the notifications of same-host reads: ``(agent, msg)``."""
 
     def __call__(self, agent: str, msg: bytes) -> None:
         self.append((agent, msg))
-
-
-class Producer:
-    """A producer's page table shared by a real exporter on a fresh name."""
-
-    def __init__(self, drop_timeout_s=5.0, backend=None, **exporter_kwargs):
-        self.name = f"p-{uuid.uuid4()}"
-        self.secret = new_secret()
-        self.backend, self.table = make_table(backend)
-        self.exporter = ChunkExporter(
-            self.name, self.secret, drop_timeout_s=drop_timeout_s, **exporter_kwargs
-        )
-        self.exporter.attach(self.table)
-
-    @property
-    def base(self) -> int:
-        return self.table.tensors[0].data_ptr()
-
-    def close(self):
-        self.exporter.close()
-        self.table.close()
-        self.backend.close()
 
 
 class Reader(SameHostReads):
@@ -181,13 +137,6 @@ class AsyncGatedCopier(HostCopier):
     def submit(self, runs):
         self.copying.set()
         return _GatedJob(self, runs)
-
-
-@pytest.fixture(name="producer")
-def producer_fixture() -> Iterator[Producer]:
-    p = Producer()
-    yield p
-    p.close()
 
 
 @pytest.fixture(name="reader")

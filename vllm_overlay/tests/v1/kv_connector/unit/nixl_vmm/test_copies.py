@@ -1,42 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The copies of same-host reads: runs merged, host copies by system call,
-device copies dispatched to the copy kernel or the copy engines, and (on a
-GPU host) CUDA chunks imported and copied for real."""
+device copies dispatched to the copy kernel or the copy engines (CUDA
+chunks imported and copied for real: test_same_host_reads.py)."""
 
 import ctypes
 import errno
-import uuid
 
 import numpy as np
 import pytest
-import torch
 
-from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (
-    Notifs,
-    finish,
-    make_read,
-)
-from tests.v1.kv_connector.unit.nixl_vmm.utils import (
-    BLOCK,
-    make_table,
-    rows,
-    wait_until,
-)
-from tests.v1.kv_vmm.cuda_utils import requires_cuda_vmm
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import new_secret
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     DeviceCopier,
     HostCopier,
     Runs,
     coalesce,
     copier_for,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
-    ChunkExporter,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.same_host import (
-    SameHostReads,
 )
 from vllm.v1.kv_vmm import HostVmmBackend, VmmError
 from vllm.v1.kv_vmm.backend import DeviceCopyStream
@@ -218,64 +197,3 @@ def test_host_memory_is_copied_by_the_cpu():
         assert type(copier_for(backend)) is HostCopier
     finally:
         backend.close()
-
-
-@pytest.mark.gpu
-@requires_cuda_vmm
-@pytest.mark.parametrize("copy", ["kernel", "batch"])
-def test_cuda_chunks_are_imported_and_copied(copy):
-    """CUDA backend: the exported allocations are imported, mapped with
-    access for the reader's device and copied asynchronously, by the copy
-    kernel or with one batched copy, a read that a poll completes: blocks in
-    another order on each side (runs of one block) and adjacent ones (one
-    run)."""
-    from vllm.v1.kv_vmm.cuda import CudaVmmBackend
-
-    backend = CudaVmmBackend(torch.device("cuda", 0))
-    if not backend.fd_exportable:
-        pytest.skip("the device cannot export allocations as POSIX fds")
-    _, table = make_table(backend)
-    name, secret = f"p-{uuid.uuid4()}", new_secret()
-    exporter = ChunkExporter(name, secret)
-    exporter.attach(table)
-    reader_backend = CudaVmmBackend(torch.device("cuda", 0))
-    copier = copier_for(reader_backend, copy_kernel=copy == "kernel")
-    # On a GPU host the kernel must be there when asked for.
-    assert (copier.kernel is not None) == (copy == "kernel")
-    reads = SameHostReads(reader_backend, copier, "reader")
-    try:
-        table.map_pages([0, 1])
-        for block in range(16):
-            flat = table.tensors[0].view(torch.uint8)
-            flat[block * BLOCK : (block + 1) * BLOCK].fill_(block + 1)
-        torch.accelerator.synchronize()
-        assert reads.offer(name, secret)
-        wait_until(lambda: reads.importer(name).num_mapped == 2)
-        dst = torch.zeros(16 * BLOCK, dtype=torch.uint8, device="cuda")
-        local = [0, 1, 2, 3, 4, 5, 6, 7]
-        remote = [9, 3, 12, 0, 15, 4, 5, 6]  # two pages; 4, 5, 6 adjacent
-        xfer = make_read(
-            reads,
-            name,
-            rows(dst.data_ptr(), local),
-            rows(table.tensors[0].data_ptr(), remote),
-            b"",
-            Notifs(),
-        )
-        assert len(xfer.runs) == len(local)
-        assert len(xfer.runs.coalesced()) == 6
-        xfer.post()
-        assert finish(xfer) == "DONE"
-        got = dst.view(16, BLOCK).cpu()
-        for i, block in enumerate(remote):
-            assert bool((got[i] == block + 1).all()), (i, block)
-        assert bool((got[len(local) :] == 0).all())
-        xfer.release()
-        table.unmap_pages([0, 1])
-        assert reads.importer(name).num_mapped == 0
-    finally:
-        reads.close()
-        exporter.close()
-        table.close()
-        backend.close()
-        reader_backend.close()

@@ -10,14 +10,17 @@ import time
 
 import numpy as np
 
-from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 (fixtures)
+from tests.v1.kv_connector.unit.nixl_vmm.channel_utils import (  # noqa: F401 (fixture)
+    producer_fixture,
+    read_shared_block,
+)
+from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 (fixture)
     AsyncGatedCopier,
     Notifs,
     Reader,
     connect,
     finish,
     make_read,
-    producer_fixture,
     read_block,
     reader_fixture,
 )
@@ -28,6 +31,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
     rows,
     wait_until,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     CopyJob,
     HostCopier,
@@ -230,3 +234,21 @@ def test_a_notification_that_fails_fails_the_read(producer, reader):
     after = same_host_stats()
     assert after["failed"] == before["failed"] + 1
     assert after["reads"] == before["reads"]
+
+
+def test_a_reader_with_the_wrong_secret_falls_back_with_the_reason(producer):
+    """A reader handshaken with another engine of the same name (or sent a
+    stale secret) cannot prove itself: refused, and it reads through NIXL."""
+    producer.table.map_pages([0, 1])
+    fill(producer.table, 2, 3)
+    before = same_host_stats()
+    reader = Reader()
+    try:
+        assert not reader.offer(producer.name, channel.new_secret())
+        # The producer's proof did not match our secret: we never sent ours.
+        after = same_host_stats()
+        assert after["fallbacks_auth"] == before.get("fallbacks_auth", 0) + 1
+        assert not reader.has_channel(producer.name)
+    finally:
+        reader.close()
+    assert (read_shared_block(producer, 2) == 3).all()
