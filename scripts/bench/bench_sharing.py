@@ -94,6 +94,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_items import sharing_order  # noqa: E402
 from bench_server import Server, fetch_metrics, metric_samples  # noqa: E402
 
 #: Share policy (--kv-cache-vmm-share-policy) of each mode on shared VMM KV; None: the flag
@@ -478,11 +479,6 @@ def parse_policies(text: str | None, mode: str) -> list[str] | None:
     return policies
 
 
-def policy_order(policies: list[str], rep: int) -> list[str]:
-    """The policies of one repetition: as given, then reversed, ... (drift hits each alike)."""
-    return list(policies) if rep % 2 == 0 else list(reversed(policies))
-
-
 def descendants(pids: set[int], proc: Path = Path("/proc")) -> set[int]:
     """``pids`` and every process below them (from each process's parent in /proc)."""
     parents: dict[int, int] = {}
@@ -706,7 +702,7 @@ def main() -> None:
 
         cli_env = {**base_env, **mode_env}
         for rep in range(args.first_rep, args.first_rep + args.repeats):
-            for policy in policy_order(policies, rep) if policies else [None]:
+            for policy in sharing_order(policies, rep) if policies else [None]:
                 if policy is not None:
                     count = set_share_policy(policy, {s.proc.pid for s in servers}, cli_env)
                     print(f"{args.mode}: repetition {rep}: {count} ledger entries switched to "

@@ -604,8 +604,8 @@ def test_policies_need_shared_engines_and_alternate_per_repetition():
     assert bs.parse_policies("first-come, fair", "fair") == ["first-come", "fair"]
     with pytest.raises(SystemExit, match="needs --mode fair or first-come"):
         bs.parse_policies("fair", "static")
-    assert bs.policy_order(["first-come", "fair"], 0) == ["first-come", "fair"]
-    assert bs.policy_order(["first-come", "fair"], 1) == ["fair", "first-come"]
+    assert bs.sharing_order(["first-come", "fair"], 0) == ["first-come", "fair"]
+    assert bs.sharing_order(["first-come", "fair"], 1) == ["fair", "first-come"]
 
 
 def fake_proc(tmp_path: Path, tree: dict[int, int]) -> Path:
