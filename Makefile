@@ -37,7 +37,7 @@ check-series:  ## apply every release's series to its pristine tree; print a tab
 
 .PHONY: check-bisect
 check-bisect:  ## each exported patch of VLLM_VERSION on the ones before it compiles, passes ruff and its own tests (CHEAP=1: no tests)
-	$(S)/check_bisect.py $(if $(CHEAP),--cheap)
+	$(S)/check_bisect.py $(if $(CHEAP),--cheap) $(if $(JOBS),--jobs $(JOBS))
 
 lint:  ## vLLM's own pre-commit on what the series changes; fails on findings it adds vs pristine vX
 	$(S)/lint.py

@@ -40,9 +40,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -105,12 +107,27 @@ class StepTimeout(Exception):
     pass
 
 
+class Stopped(Exception):
+    """The check is stopping (Ctrl-C, SIGTERM): a test job that has not started does not."""
+
+
+# Every command running now, in whichever thread: a stopped check ends them all (the tests of
+# several patches run at once with --jobs).
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
 def call(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> tuple[int, str]:
     """(exit status, output) of a command that must end within `timeout` seconds; past it,
     the command and every process it started (its own session) are killed."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, errors="replace")
+    with _RUNNING_LOCK:
+        if _STOPPING.is_set():
+            raise Stopped()
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, errors="replace")
+        _RUNNING.add(proc)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -119,6 +136,11 @@ def call(cmd: list[str], cwd: Path, timeout: float, env: dict | None = None) -> 
     except BaseException:  # Ctrl-C, SIGTERM (stop_on_sigterm): leave nothing running
         end_session(proc)
         raise
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+    if _STOPPING.is_set():  # ended by stop_everything() from another thread
+        raise Stopped()
     return proc.returncode, out or ""
 
 
@@ -126,6 +148,16 @@ def end_session(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
+
+
+def stop_everything() -> None:
+    """End every command any thread runs, and every one a thread would start after this."""
+    with _RUNNING_LOCK:
+        _STOPPING.set()
+        running = list(_RUNNING)
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,66 +396,148 @@ def check_release(release: Release, args) -> tuple[list[PatchResult], int]:
         return _check_release(release, args)
 
 
+@dataclass
+class Applied:
+    """A patch that applied: its commit in the check's worktree and the files it touched."""
+
+    index: int
+    result: PatchResult
+    commit: str
+    changed: list[str]
+    added: set[str]
+
+
 def _check_release(release: Release, args) -> tuple[list[PatchResult], int]:
     tree = require_applied_tree(release, "check-bisect")
     patches = stack(release, args.patches)
     python, env = (sys.executable, {}) if args.cheap else test_python(release, args.python)
     ruff = Ruff.of(tree)
-    results: list[PatchResult] = []
     width = max(len(p.name) for p in patches)
+    jobs = 1 if args.cheap else max(1, args.jobs)
     print(f"=== vLLM {release.version}: {len(patches)} patches, each on the ones before it "
-          f"onto pristine {release.tag}" + (" (--cheap: compile and ruff)" if args.cheap else ""),
+          f"onto pristine {release.tag}" + (" (--cheap: compile and ruff)" if args.cheap else
+                                             f" ({jobs} at a time for the tests)"),
           flush=True)
     with scratch_worktree(tree, release.tag, "bisect") as wt:
+        applied, stopped = apply_each(patches, wt, ruff, python, args,
+                                      width if args.cheap else None)
         if not args.cheap:
             copy_build_outputs(tree, wt)
-        test_env = {**env, "KVSERIES_VLLM_TREE": str(wt), "HF_HUB_OFFLINE": "1",
-                    "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        for patch in patches:
-            result = PatchResult(patch.name)
-            results.append(result)
-            start = time.monotonic()
-            try:
-                before = ruff.findings(wt, patch_paths(wt, patch), args.ruff_timeout)
-            except StepTimeout as e:
-                before = Counter()
-                result.steps.append(Step("ruff", False, str(e)))
-            proc = git(wt, "am", "--quiet", "--keep-non-patch", str(patch), check=False,
-                       dated=False)
-            apply = Step("apply", proc.returncode == 0, seconds=time.monotonic() - start)
-            result.steps.insert(0, apply)
-            if not apply.ok:
-                apply.summary = "does not apply with `git am`"
-                apply.details = [ln for ln in (proc.stdout or "").splitlines()
-                                 if ln.startswith(("error:", "Patch failed"))]
-                git(wt, "am", "--abort", check=False)
-                report(result, width)
-                break
-            changed = git_out(wt, "diff", "--name-only", "--no-renames", "--diff-filter=d",
-                              "HEAD~1", "HEAD").split("\n")
-            changed = [f for f in changed if f]
-            added = set(git_out(wt, "diff", "--name-only", "--no-renames", "--diff-filter=A",
-                                "HEAD~1", "HEAD").split("\n"))
-            for name, fn in (
-                ("compile", lambda: compile_step(python, wt, changed, args.compile_timeout)),
-                ("ruff", lambda: ruff_step(ruff, before, wt, changed, args.ruff_timeout)),
-                ("tests", None if args.cheap else lambda: tests_step(
-                    python, wt, changed, added, test_env, args.test_timeout,
-                    args.per_test_timeout)),
-            ):
-                if fn is None or any(s.name == name for s in result.steps):
-                    continue
-                t0 = time.monotonic()
-                try:
-                    step = fn()
-                except StepTimeout as e:
-                    step = Step(name, False, str(e))
-                step.seconds = time.monotonic() - t0
-                result.steps.append(step)
-            report(result, width)
+            test_each(applied, tree, wt, jobs, python, env, args, width)
+            if stopped:
+                report(stopped, width)
+    results = [a.result for a in applied] + ([stopped] if stopped else [])
     for patch in patches[len(results):]:
         print(f"{patch.name:<{width}}  not applied (a patch before it does not apply)")
     return results, len(patches)
+
+
+def apply_each(patches: list[Path], wt: Path, ruff: Ruff, python: str, args,
+               width: int | None) -> tuple[list[Applied], PatchResult | None]:
+    """`git am` each patch in turn, with its compile and ruff steps; each result is reported
+    at once when `width` is given. Returns the patches that applied, and the result of the
+    one that did not (the stack stops there), if any."""
+    applied: list[Applied] = []
+    for index, patch in enumerate(patches):
+        result = PatchResult(patch.name)
+        start = time.monotonic()
+        try:
+            before = ruff.findings(wt, patch_paths(wt, patch), args.ruff_timeout)
+        except StepTimeout as e:
+            before = Counter()
+            result.steps.append(Step("ruff", False, str(e)))
+        proc = git(wt, "am", "--quiet", "--keep-non-patch", str(patch), check=False,
+                   dated=False)
+        apply = Step("apply", proc.returncode == 0, seconds=time.monotonic() - start)
+        result.steps.insert(0, apply)
+        if not apply.ok:
+            apply.summary = "does not apply with `git am`"
+            apply.details = [ln for ln in (proc.stdout or "").splitlines()
+                             if ln.startswith(("error:", "Patch failed"))]
+            git(wt, "am", "--abort", check=False)
+            if width is not None:
+                report(result, width)
+            return applied, result
+        changed = [f for f in git_out(wt, "diff", "--name-only", "--no-renames",
+                                      "--diff-filter=d", "HEAD~1", "HEAD").split("\n") if f]
+        added = set(git_out(wt, "diff", "--name-only", "--no-renames", "--diff-filter=A",
+                            "HEAD~1", "HEAD").split("\n"))
+        for name, fn in (
+            ("compile", lambda: compile_step(python, wt, changed, args.compile_timeout)),
+            ("ruff", lambda: ruff_step(ruff, before, wt, changed, args.ruff_timeout)),
+        ):
+            if any(s.name == name for s in result.steps):
+                continue
+            result.steps.append(timed(name, fn))
+        applied.append(Applied(index, result, git_out(wt, "rev-parse", "HEAD"), changed, added))
+        if width is not None:
+            report(result, width)
+    return applied, None
+
+
+def timed(name: str, fn) -> Step:
+    t0 = time.monotonic()
+    try:
+        step = fn()
+    except StepTimeout as e:
+        step = Step(name, False, str(e))
+    step.seconds = time.monotonic() - t0
+    return step
+
+
+def test_each(applied: list[Applied], tree: Path, wt: Path, jobs: int, python: str,
+              env: dict, args, width: int) -> None:
+    """Each applied patch's own tests, at its commit, `jobs` patches at a time, each job in a
+    worktree of its own (the check's, and jobs - 1 more under build/.bisect/N/); results are
+    reported in the stack's order as soon as every patch before them is done."""
+    done: dict[int, PatchResult] = {}
+    shown = 0
+    lock = threading.Lock()
+
+    def show() -> None:
+        nonlocal shown
+        with lock:
+            while shown < len(applied) and applied[shown].index in done:
+                report(done[applied[shown].index], width)
+                shown += 1
+
+    with contextlib.ExitStack() as trees:
+        free: list[Path] = [wt]
+        for k in range(2, min(jobs, len(applied)) + 1):
+            extra = trees.enter_context(scratch_worktree(tree, applied[-1].commit,
+                                                         f"bisect/{k}"))
+            copy_build_outputs(tree, extra)
+            free.append(extra)
+
+        def job(item: Applied) -> None:
+            with lock:
+                where = free.pop()
+            try:
+                git(where, "checkout", "-q", "--detach", item.commit)
+                test_env = {**env, "KVSERIES_VLLM_TREE": str(where), "HF_HUB_OFFLINE": "1",
+                            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+                item.result.steps.append(timed("tests", lambda: tests_step(
+                    python, where, item.changed, item.added, test_env, args.test_timeout,
+                    args.per_test_timeout)))
+            finally:
+                with lock:
+                    free.append(where)
+            done[item.index] = item.result
+            show()
+
+        if len(free) == 1:
+            for item in applied:
+                job(item)
+            return
+        with ThreadPoolExecutor(len(free), thread_name_prefix="bisect-tests") as pool:
+            futures = [pool.submit(job, item) for item in applied]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:  # Ctrl-C, SIGTERM, a failing job: end the others' tests
+                pool.shutdown(wait=False, cancel_futures=True)
+                stop_everything()
+                raise
 
 
 def report(result: PatchResult, width: int) -> None:
@@ -449,6 +563,9 @@ def main() -> int:
                    help="interpreter for the tests (default: build/venv-X/bin/python)")
     p.add_argument("--compile-timeout", type=float, default=120)
     p.add_argument("--ruff-timeout", type=float, default=120)
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="patches whose tests run at once, each in a worktree of its own "
+                        "(default: 2, or 1 on a machine with one CPU)")
     p.add_argument("--test-timeout", type=float, default=1200,
                    help="seconds for one patch's tests (default 1200)")
     p.add_argument("--per-test-timeout", type=float, default=600,

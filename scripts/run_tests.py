@@ -141,13 +141,16 @@ def lint(version: str, results: list) -> None:
                                     else "passed" for c in checks), results)
 
 
-def bisect(version: str, results: list) -> None:
+def bisect(version: str, results: list, tests: bool = False) -> None:
     """The exported stack patch by patch onto the pristine release: compile and ruff
-    (scripts/check_bisect.py --cheap). Counts: patches OK / failing (or never applied). A
-    failing run with no patch counted as failing: the export or the ruff install failed."""
+    (scripts/check_bisect.py --cheap), and with `tests` each patch's own tests too (the
+    `bisect-tests` tier, in the release's virtualenv). Counts: patches OK / failing (or never
+    applied). A failing run with no patch counted as failing: the export or the ruff install
+    failed."""
     cmd = [sys.executable, str(ROOT / "scripts" / "check_bisect.py"), "--version", version,
-           "--cheap"]
-    summarized(cmd, f"{version} bisect", f"{version} bisect (compile, ruff)",
+           *([] if tests else ["--cheap"])]
+    label = "bisect (compile, ruff, tests)" if tests else "bisect (compile, ruff)"
+    summarized(cmd, f"{version} {'bisect-tests' if tests else 'bisect'}", f"{version} {label}",
                lambda patches: tally("passed" if p["ok"] else "failed" for p in patches),
                results)
 
@@ -250,8 +253,8 @@ def run_release(release, tiers: list[str], results: list, slow: bool = False,
             upstream(v, results)
         elif tier == "lint":
             lint(v, results)
-        elif tier == "bisect":
-            bisect(v, results)
+        elif tier in ("bisect", "bisect-tests"):
+            bisect(v, results, tests=tier == "bisect-tests")
         else:
             raise SeriesError(f"unknown test tier {tier!r} in ci/matrix.toml.")
 

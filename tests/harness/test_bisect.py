@@ -252,6 +252,13 @@ def test_the_ci_tier_counts_patches(project: Project, monkeypatch):
     (label, rc, counts, _), = results
     assert label == "1.0.0 bisect (compile, ruff)" and rc == 1
     assert counts == {"passed": 1, "failed": 1, "skipped": 0}
+    # The bisect-tests tier runs the tests too, in the release's virtualenv: without one it
+    # fails as one failure, never a green row.
+    results.clear()
+    run_tests.bisect(V1, results, tests=True)
+    (label, rc, counts, _), = results
+    assert label == "1.0.0 bisect (compile, ruff, tests)" and rc == 1
+    assert counts["failed"] == 1 and counts["passed"] == 0
 
 
 def test_a_stopped_check_ends_its_tests_and_removes_its_worktree(project: Project,
@@ -288,3 +295,82 @@ def test_a_stopped_check_ends_its_tests_and_removes_its_worktree(project: Projec
     with pytest.raises(ProcessLookupError):
         os.kill(test_pid, 0)
     assert not (project.root / "build" / ".bisect" / f"vllm-{V1}").exists()
+
+
+MEET = """\
+import os
+import time
+from pathlib import Path
+
+
+def test_meets_the_other_patch():
+    # Passes only while the other patch's test runs too: each says it is here and waits for
+    # the other, so the two patches' tests ran at once.
+    here = Path(os.environ["MEET"])
+    (here / "{me}").write_text(os.environ["KVSERIES_VLLM_TREE"])
+    deadline = time.monotonic() + 30
+    while not (here / "{other}").exists():
+        assert time.monotonic() < deadline, "the other patch's test never ran beside this one"
+        time.sleep(0.05)
+    time.sleep({linger})
+"""
+
+
+def test_jobs_run_patches_tests_at_once_each_in_its_worktree_reported_in_order(
+        project: Project, tmp_path: Path):
+    bisect_project(project)
+    # The first patch's test lingers, so the second finishes first: its line still comes
+    # second.
+    commit(project, {"tests/test_a.py": MEET.format(me="a", other="b", linger=2)}, "[Core] A")
+    commit(project, {"tests/test_b.py": MEET.format(me="b", other="a", linger=0)}, "[Core] B")
+    proc = bisect(project, "--jobs", "2", env={"MEET": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert list(lines(proc.stdout)) == ["0001", "0002"], proc.stdout
+    assert all("tests 1 files: 1 passed" in ln for ln in lines(proc.stdout).values())
+    trees = {(tmp_path / n).read_text() for n in "ab"}
+    assert len(trees) == 2, trees  # each job in a worktree of its own
+    assert not any((project.root / "build" / ".bisect").glob(f"**/vllm-{V1}"))
+    # One at a time, the two never meet: the check can fail.
+    for marker in "ab":
+        (tmp_path / marker).unlink()
+    proc = bisect(project, "--jobs", "1", "--per-test-timeout", "60",
+                  env={"MEET": str(tmp_path)})
+    assert proc.returncode == 1
+    assert "FAIL  tests: 1 failed of 1 files" in lines(proc.stdout)["0001"], proc.stdout
+
+
+def test_a_stopped_check_ends_the_tests_of_every_job(project: Project, tmp_path: Path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    bisect_project(project)
+    slow = ("import os\nimport time\n\n\n"
+            "def test_slow():\n"
+            "    with open(os.path.join(os.environ['STARTED'], '{n}'), 'w') as f:\n"
+            "        f.write(str(os.getpid()))\n"
+            "    time.sleep(300)\n")
+    for n in "12":
+        commit(project, {f"tests/test_slow{n}.py": slow.format(n=n)}, f"[Core] Slow {n}")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "check_bisect.py"),
+                             "--version", V1, "--python", sys.executable, "--jobs", "2"],
+                            env={**project.env, "STARTED": str(tmp_path)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    started = [tmp_path / n for n in "12"]
+    try:
+        deadline = time.monotonic() + 120
+        while (not all(p.exists() and p.read_text() for p in started)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert all(p.exists() for p in started), "the slow tests never both started"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out
+    for p in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(p.read_text()), 0)
+    assert not any((project.root / "build" / ".bisect").glob(f"**/vllm-{V1}"))

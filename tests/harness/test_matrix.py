@@ -18,7 +18,7 @@ def test_matrix_releases_have_series_and_pinned_sdists():
         assert re.fullmatch(r"[0-9a-f]{64}", entry["sdist_sha256"]), version
         assert (ROOT / "patches" / f"v{version}" / "series").exists(), version
         assert set(entry["ci_tiers"]) <= {"harness", "unit", "engine", "upstream", "lint",
-                                          "bisect"}
+                                          "bisect", "bisect-tests"}
         if "engine" in entry["ci_tiers"]:
             assert entry["cpu_kernels"], f"{version}: engine tier needs installable CPU kernels"
 

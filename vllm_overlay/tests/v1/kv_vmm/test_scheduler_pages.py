@@ -6,9 +6,7 @@ import pytest
 
 from tests.v1.kv_vmm.elastic_utils import (
     ledger_base_fixture,  # noqa: F401 (the fixture)
-    requires_vmm_kv_wiring,
 )
-from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -407,15 +405,6 @@ def test_a_limit_beyond_the_capacity_is_lowered_to_it(monkeypatch):
     assert pool.get_num_free_blocks() == 29
     pool.set_max_pages(8)
     assert len(warnings) == 2
-
-
-@requires_vmm_kv_wiring
-def test_the_default_block_pool_has_no_pages():
-    # The scheduler and engine core call these hooks on every block pool
-    # (no isinstance checks): the default pool answers "nothing to do".
-    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
-    assert pool.take_page_ops() is None
-    assert pool.page_step_due_in() is None
 
 
 def test_ahead_blocks_of_an_idle_pool_are_not_mapped_back():

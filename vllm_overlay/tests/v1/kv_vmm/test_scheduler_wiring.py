@@ -73,6 +73,14 @@ def _paged_scheduler(model_dir, monkeypatch, shrink_delay_s: float, start: float
     return scheduler, pool, now
 
 
+def test_the_default_block_pool_has_no_pages():
+    # The scheduler and engine core call these hooks on every block pool
+    # (no isinstance checks): the default pool answers "nothing to do".
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
+    assert pool.take_page_ops() is None
+    assert pool.page_step_due_in() is None
+
+
 def test_page_ops_in_the_step_message_and_shrink_step(model_dir, monkeypatch):
     scheduler, pool, now = _paged_scheduler(model_dir, monkeypatch, 5.0, 100.0)
     mapped = {0, 1}  # the null block's page and one headroom page
