@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import Runs
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
+    Runs,
+    repeated,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.cuda_copy import (
     PIECE_BYTES,
     RunCopier,
@@ -46,6 +49,43 @@ def test_only_runs_of_16_byte_multiples_go_to_the_kernel():
     assert not RunCopier.accepts(Runs.of(np.array([[1 << 20, 2 << 20, 40]])))
     assert not RunCopier.accepts(Runs.of(np.array([[(1 << 20) + 8, 0, 16]])))
     assert not RunCopier.accepts(Runs.of(np.array([[1 << 20, (2 << 20) + 8, 16]])))
+
+
+def test_what_the_maker_knows_of_runs_spares_looking_at_them():
+    """A read's lengths all equal and its alignment known (a same-host read
+    knows both per descriptor list): the kernel's words are the same as
+    from the columns, and no column is reduced to accept them."""
+    rng = np.random.default_rng(0)
+    dst = (rng.choice(4096, 600, replace=False) * 4096 + (1 << 30)).astype(np.uint64)
+    src = (rng.choice(4096, 600, replace=False) * 4096 + (1 << 32)).astype(np.uint64)
+    for nbytes in (4096, PIECE_BYTES, PIECE_BYTES + 4096):
+        column = np.full(600, nbytes, dtype=np.uint64)
+        known = Runs(dst, src, repeated(nbytes, 600), uniform_nbytes=nbytes)
+        assert known.total_bytes == Runs(dst, src, column).total_bytes
+        assert known.longest == nbytes
+        for capacity in (None, 2048):
+            out = np.full(1 + 3 * 2048, -1, dtype=np.int64)
+            want = kernel_pieces(Runs(dst, src, column), 1 << 20, out.copy(), capacity)
+            got = kernel_pieces(known, 1 << 20, out, capacity)
+            assert got.tolist() == want.tolist()
+    assert Runs(dst[:0], src[:0], repeated(4096, 0), uniform_nbytes=4096).longest == 0
+    # Vouched for: not looked at (these addresses would be refused).
+    odd = Runs.of(np.array([[(1 << 20) + 8, 0, 16]]))
+    assert not RunCopier.accepts(odd)
+    assert RunCopier.accepts(Runs(odd.dst, odd.src, odd.nbytes, alignment=16))
+    assert not RunCopier.accepts(Runs(odd.dst, odd.src, odd.nbytes, alignment=8))
+    assert not RunCopier.accepts(
+        Runs(dst, src, repeated(40, 600), uniform_nbytes=40, alignment=8)
+    )
+
+
+def test_repeated_lengths_are_one_read_only_column():
+    first = repeated(32 << 10, 100)
+    assert first.tolist() == [32 << 10] * 100 and first.dtype == np.uint64
+    assert not first.flags.writeable
+    assert repeated(32 << 10, 5000).tolist() == [32 << 10] * 5000
+    assert repeated(32 << 10, 0).tolist() == []
+    assert repeated(48, 3).tolist() == [48] * 3
 
 
 def test_kernel_copies_every_run_and_nothing_else():

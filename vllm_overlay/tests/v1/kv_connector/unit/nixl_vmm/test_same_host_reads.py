@@ -29,6 +29,7 @@ from tests.v1.kv_connector.unit.nixl_vmm.same_host_utils import (  # noqa: F401 
     GatedCopier,
     Notifs,
     Reader,
+    connect,
     finish,
     make_read,
     reader_fixture,
@@ -60,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
     Fallback,
     same_host_stats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import Descs
 from vllm.v1.kv_vmm import HostVmmBackend
 
 
@@ -118,6 +120,45 @@ def test_reader_maps_shared_chunks_and_copies_them(producer, reader):
     )
     reader.disconnect(producer.name)
     wait_until(lambda: exporter.num_peers == 0)
+
+
+def test_a_read_knows_its_lengths_and_alignment_without_looking(producer, reader):
+    """Both known per descriptor list (and the chunks' places here): the
+    copies of a read carry them, and they hold for every copy."""
+    table = producer.table
+    table.map_pages([0, 1])
+    importer = connect(reader, producer, 2)
+    dst = torch.zeros(4 * BLOCK, dtype=torch.uint8)
+    xfer = make_read(
+        reader,
+        producer.name,
+        rows(dst.data_ptr(), range(4)),
+        rows(producer.base, [9, 2, 3, 0]),
+        b"",
+        Notifs(),
+    )
+    runs = xfer.runs
+    assert runs.uniform_nbytes == BLOCK
+    assert runs.nbytes.tolist() == [BLOCK] * 4
+    alignment = runs.alignment
+    assert alignment >= 16 and alignment & (alignment - 1) == 0
+    assert alignment <= importer.alignment
+    for column in (runs.dst, runs.src, runs.nbytes):
+        assert not (column % np.uint64(alignment)).any()
+    xfer.release()
+    # Lengths that differ between descriptors: read from the lists.
+    base = dst.data_ptr()
+    local = Descs(np.array([(base, 48, 0), (base + 64, 16, 0)]), "DRAM")
+    remote = Descs(
+        np.array([(producer.base, 48, 0), (producer.base + 64, 16, 0)]), "DRAM"
+    )
+    assert local.alignment == 16
+    ids = np.arange(2)
+    xfer = reader.make_read(producer.name, local, ids, remote, ids, b"", Notifs())
+    assert xfer.runs.uniform_nbytes is None
+    assert xfer.runs.nbytes.tolist() == [48, 16]
+    assert xfer.runs.alignment == 16
+    xfer.release()
 
 
 class SlowImportBackend(HostVmmBackend):

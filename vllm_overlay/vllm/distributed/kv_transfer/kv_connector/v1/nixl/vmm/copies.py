@@ -66,16 +66,40 @@ def _column(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)
 
 
+# Length -> a read-only column of it, as long as the longest asked for.
+_REPEATED: dict[int, np.ndarray] = {}
+
+
+def repeated(nbytes: int, n: int) -> np.ndarray:
+    """A read-only uint64 column of ``n`` times ``nbytes``: the lengths of a
+    read whose descriptors all have the same, without filling a new array
+    per read."""
+    column = _REPEATED.get(nbytes)
+    if column is None or len(column) < n:
+        column = np.full(max(n, 1024), nbytes, dtype=np.uint64)
+        column.flags.writeable = False
+        _REPEATED[nbytes] = column
+    return column[:n]
+
+
 @dataclasses.dataclass(frozen=True)
 class Runs:
     """A read's copies as three columns (uint64, contiguous): ``nbytes[i]``
     bytes from address ``src[i]`` to ``dst[i]``. Columns, not rows: the
     copy kernel takes them as they are, and a prompt's 16,000 copies are
-    made by taking a column of each descriptor list."""
+    made by taking a column of each descriptor list.
+
+    What the maker knows of them besides, so that a launch need not reduce
+    a column again per read (each reduction of a prompt's columns costs
+    microseconds of the reader's thread): ``uniform_nbytes``, the length
+    every run has (None: see ``nbytes``), and ``alignment``, a power of two
+    every address and length is a multiple of (0: not known)."""
 
     dst: np.ndarray
     src: np.ndarray
     nbytes: np.ndarray
+    uniform_nbytes: int | None = None
+    alignment: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dst", _column(self.dst))
@@ -95,7 +119,18 @@ class Runs:
 
     @property
     def total_bytes(self) -> int:
+        if self.uniform_nbytes is not None:
+            return self.uniform_nbytes * len(self.dst)
         return int(self.nbytes.sum())
+
+    @property
+    def longest(self) -> int:
+        """The bytes of the longest run (0 for none)."""
+        if not len(self.nbytes):
+            return 0
+        if self.uniform_nbytes is not None:
+            return self.uniform_nbytes
+        return int(self.nbytes.max())
 
     def coalesced(self) -> np.ndarray:
         """``(dst, src, n)`` rows, adjacent copies merged (:func:`coalesce`)."""

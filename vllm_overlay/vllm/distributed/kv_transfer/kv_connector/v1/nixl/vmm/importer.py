@@ -37,7 +37,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.stats import (
     STATS,
     Fallback,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import Descs
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.transfers import (
+    Descs,
+    alignment_of,
+)
 from vllm.logger import init_logger
 from vllm.v1.kv_vmm.backend import ImportedChunk, VmmBackend, VmmError
 
@@ -49,6 +52,16 @@ class _Mapped:
     remote_va: int
     chunk: ImportedChunk
     dropping: bool = False
+
+
+@dataclasses.dataclass
+class _LocalAddrs:
+    """Each descriptor's address here of one producer list (0: not looked up
+    yet, or outside the chunks mapped then); ``complete`` once none is 0, so
+    a read need not look for one."""
+
+    addrs: np.ndarray
+    complete: bool = False
 
 
 class ChunkImporter:
@@ -89,9 +102,14 @@ class ChunkImporter:
         # A producer's descriptor list -> each descriptor's address here (0:
         # not looked up yet, or outside the chunks mapped then). Kept until a
         # drop: chunks mapped later only add addresses.
-        self._local_addrs: weakref.WeakKeyDictionary[Descs, np.ndarray] = (
+        self._local_addrs: weakref.WeakKeyDictionary[Descs, _LocalAddrs] = (
             weakref.WeakKeyDictionary()
         )
+        # A power of two that every chunk mapped so far is placed here at a
+        # multiple of from where the producer has it: an address here keeps
+        # the alignment of the producer's (up to this), so a read's copies
+        # are known to be aligned without looking at them. Only ever lowered.
+        self.alignment = 1 << 63
         # Reads in flight per generation; a drop starts a new one and waits
         # for the reads of the earlier ones (those may use its chunks).
         self._generation = 0
@@ -253,6 +271,9 @@ class ChunkImporter:
                 with self._cond:
                     self._mapped[chunk_id] = _Mapped(remote_va, chunk)
                     self._index = None
+                    self.alignment = min(
+                        self.alignment, alignment_of(remote_va | chunk.addr)
+                    )
         finally:
             channel.close_fds(fds)
 
@@ -315,21 +336,23 @@ class ChunkImporter:
         with self._cond:
             if not self.alive:
                 return None
-            local_addrs = self._local_addrs.get(remote)
-            if local_addrs is None:
-                local_addrs = np.zeros(len(remote.addrs), dtype=np.uint64)
-                self._local_addrs[remote] = local_addrs
-            addrs = np.take(local_addrs, indices)
-            # One reduction where every descriptor was looked up before.
-            if len(addrs) and not addrs.min():
+            known = self._local_addrs.get(remote)
+            if known is None:
+                known = _LocalAddrs(np.zeros(len(remote.addrs), dtype=np.uint64))
+                self._local_addrs[remote] = known
+            addrs = known.addrs.take(indices)
+            # No reduction once every descriptor was looked up, else one.
+            if not known.complete and len(addrs) and not addrs.min():
                 missing = np.flatnonzero(addrs == 0)
                 looked_up = self._look_up(remote, indices[missing])
                 if looked_up is None:
                     return None
                 addrs[missing] = looked_up
-                local_addrs[indices[missing]] = looked_up
-            self._reads[self._generation] += 1
-            return addrs, self._generation
+                known.addrs[indices[missing]] = looked_up
+                known.complete = bool(known.addrs.min())
+            generation = self._generation
+            self._reads[generation] = self._reads.get(generation, 0) + 1
+            return addrs, generation
 
     def _look_up(self, remote: Descs, indices: np.ndarray) -> np.ndarray | None:
         """Where descriptors ``indices`` of ``remote`` are mapped here, or
@@ -362,8 +385,10 @@ class ChunkImporter:
         with self._cond:
             self._reads[generation] -= 1
             if not self._reads[generation]:
+                # What a drop waits for (the other waiters are woken by
+                # their own events).
                 del self._reads[generation]
-            self._cond.notify_all()
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Drop everything and close the channel (the producer sees EOF)."""

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.copies import (
     CopyJob,
     Runs,
     copier_for,
+    repeated,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.exporter import (
     ChunkExporter,
@@ -84,17 +85,18 @@ def _same_lengths(
     local_indices: np.ndarray,
     remote: Descs,
     remote_indices: np.ndarray,
-) -> np.ndarray:
-    """The bytes of each copy of a read; raises :class:`VmmError` unless
+) -> tuple[np.ndarray, int | None]:
+    """The bytes of each copy of a read, and the length all have where both
+    lists' descriptors have one (else None); raises :class:`VmmError` unless
     both sides' descriptors have the same lengths (compared per descriptor
     only where a list's lengths differ)."""
-    lengths = local.uniform_length
-    if lengths is not None and lengths == remote.uniform_length:
-        return np.full(len(local_indices), lengths, dtype=np.uint64)
+    length = local.uniform_length
+    if length is not None and length == remote.uniform_length:
+        return repeated(length, len(local_indices)), length
     local_lengths = np.take(local.lengths, local_indices)
     if not np.array_equal(local_lengths, np.take(remote.lengths, remote_indices)):
         raise VmmError("same-host read: local and remote descriptor sizes differ")
-    return local_lengths
+    return local_lengths, None
 
 
 @dataclasses.dataclass
@@ -413,11 +415,22 @@ class SameHostReads(LocalReads):
             return None
         src, generation = pinned
         try:
-            lengths = _same_lengths(local, local_indices, remote, remote_indices)
+            lengths, length = _same_lengths(
+                local, local_indices, remote, remote_indices
+            )
         except VmmError:
             importer.unpin(generation)
             raise
-        runs = Runs(np.take(local.addrs, local_indices), src, lengths)
+        # Both lists' alignments are known once per list, and the chunks'
+        # places here keep the producer's: the copies' is known per read
+        # without looking at them.
+        runs = Runs(
+            local.addrs.take(local_indices),
+            src,
+            lengths,
+            uniform_nbytes=length,
+            alignment=min(local.alignment, remote.alignment, importer.alignment),
+        )
         return SameHostXfer(
             importer,
             self.copier,

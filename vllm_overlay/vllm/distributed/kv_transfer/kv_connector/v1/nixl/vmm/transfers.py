@@ -75,6 +75,12 @@ def flat_desc_rows(descs: Any) -> np.ndarray:
     )
 
 
+def alignment_of(bits: int) -> int:
+    """The largest power of two that divides every value whose bitwise or is
+    ``bits`` (2**63 for none or zeros: a bound, not a value)."""
+    return bits & -bits if bits else 1 << 63
+
+
 class Descs:
     """Transfer descriptors as the connector gave them (``source``) and
     their memory type; as ``(addr, len, dev)`` rows once first asked for.
@@ -93,7 +99,7 @@ class Descs:
         self.source = source
         self.mem_type = mem_type
         self._rows: np.ndarray | None = None
-        self._columns: tuple[np.ndarray, np.ndarray, int | None] | None = None
+        self._columns: tuple[np.ndarray, np.ndarray, int | None, int] | None = None
 
     @property
     def rows(self) -> np.ndarray:
@@ -101,16 +107,22 @@ class Descs:
             self._rows = flat_desc_rows(self.source)
         return self._rows
 
-    def _cols(self) -> tuple[np.ndarray, np.ndarray, int | None]:
+    def _cols(self) -> tuple[np.ndarray, np.ndarray, int | None, int]:
         if self._columns is None:
             rows = self.rows
+            addrs = np.ascontiguousarray(rows[:, 0])
             lengths = np.ascontiguousarray(rows[:, 1])
             uniform = (
                 int(lengths[0])
                 if len(lengths) and (lengths == lengths[0]).all()
                 else None
             )
-            self._columns = (np.ascontiguousarray(rows[:, 0]), lengths, uniform)
+            bits = (
+                int(np.bitwise_or.reduce(addrs) | np.bitwise_or.reduce(lengths))
+                if len(addrs)
+                else 0
+            )
+            self._columns = (addrs, lengths, uniform, alignment_of(bits))
         return self._columns
 
     @property
@@ -127,6 +139,12 @@ class Descs:
     def uniform_length(self) -> int | None:
         """The length every descriptor has, or None if they differ."""
         return self._cols()[2]
+
+    @property
+    def alignment(self) -> int:
+        """A power of two every address and length is a multiple of (found
+        once per list, so a read's copies need not be looked at for it)."""
+        return self._cols()[3]
 
     def flatten(self) -> None:
         """Make the rows and columns now (off the transfer path)."""
