@@ -59,10 +59,13 @@ and the last lines of its output; exit status 1.
 """
 
 import argparse
+import cProfile
 import importlib.util
+import io
 import json
 import multiprocessing as mp
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -226,9 +229,12 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
     rng = np.random.default_rng(0)
     seconds, phases = [], []
+    profiler = cProfile.Profile() if args.profile else None
     for i in range(args.warmup + args.iters):
         local_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
         remote_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
+        if profiler is not None and i == args.warmup:
+            profiler.enable()
         start = time.perf_counter()
         handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids)
         made = time.perf_counter()
@@ -242,6 +248,8 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
         if i >= args.warmup:
             seconds.append(done - start)
             phases.append((made - start, posted - made, done - posted))
+    if profiler is not None:
+        profiler.disable()
     fault(f"nixl_vmm:{mode}:reader:read")
     reads = 0
     if same_host is not None:
@@ -259,7 +267,15 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     _recv(conn, timeout, "word from the owner that the read is over")
     close()
     return _result(args.blocks_per_read * args.block_bytes, seconds, phases) | {
-        "same_host_reads": reads}
+        "same_host_reads": reads} | ({"profile": _profile_rows(profiler)} if profiler else {})
+
+
+def _profile_rows(profiler: cProfile.Profile, rows: int = 30) -> str:
+    """The reader's timed reads under cProfile, by own time (all its phases: where host
+    time goes on the reader's thread)."""
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
 
 
 PHASES = ("make", "post", "wait")
@@ -430,6 +446,8 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
         if "phase_median_ms" in r:
             lines.append("         per read, median ms: " + ", ".join(
                 f"{name} {ms:.3f}" for name, ms in r["phase_median_ms"].items()))
+        if "profile" in r:
+            lines.append(f"         the reader's reads under cProfile:\n{r['profile']}")
     if "vmm" in results and "stock" in results:
         results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
         lines.append(f"vmm/stock: {results['vmm_over_stock']:.3f}")
@@ -456,6 +474,10 @@ def main() -> None:
                         help="seconds a mode's processes may take, start to result; a mode "
                         "not done by then ends the run (default 600)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true",
+                        help="the reader's timed reads of each mode under cProfile: its rows "
+                        "by own time are printed and written to --json (\"profile\"); the "
+                        "phases then include the profiler's own cost")
     args = parser.parse_args()
     exit_on_signals()  # SIGTERM: the modes measured are printed, the processes killed
     modes = [m for m in args.modes.split(",") if m]

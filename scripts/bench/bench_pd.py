@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_proc import TAIL_LINES, describe_exit, exit_on_signals, tail  # noqa: E402
-from bench_server import Server, _free_port, fetch_metrics, metric_samples  # noqa: E402
+from bench_server import Server, fetch_metrics, free_port, metric_samples  # noqa: E402
 
 # NixlConnector's prefill-side request fields, as a disaggregating proxy sends them.
 PREFILL_TRANSFER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
@@ -222,11 +222,13 @@ def main() -> None:
             server = servers[role] = Server(
                 args.model, args.backend, engine, logs / f"pd-{args.backend}-{role}.log",
                 base_env, env={**instance_env(args.device, role),
-                               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
+                               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
             health = server.wait_healthy(args.timeout)
             if "error" in health:
                 raise InstanceFailed(role, server, "ended while starting"
                                      if server.proc.poll() is not None else
+                                     f"a thread died while starting: {health['dead_thread']}"
+                                     if "dead_thread" in health else
                                      f"not healthy in {args.timeout:g} s (--timeout)")
         prefill, decode = servers["prefill"], servers["decode"]
         for i in range(args.requests + 1):

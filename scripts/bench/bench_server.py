@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -21,10 +22,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_proc import describe_exit, die_with_parent, tail  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+# The kernel's range of ports for sockets that ask for none (Linux's default where it cannot
+# be read).
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DEFAULT_EPHEMERAL = (32768, 60999)
+LOWEST_PORT = 10000
+# What Python's threading prints when a thread ends with an exception.
+DEAD_THREAD = "Exception in thread "
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+    return low, high
+
+
+def free_port(attempts: int = 200) -> int:
+    """A TCP port nothing listens on now, outside the kernel's ephemeral range where the
+    range leaves room: a port a server is told to bind later (its HTTP port, NixlConnector's
+    side channel) is otherwise free for the kernel to give to any socket opened meanwhile,
+    the server's own engine's included ("Address already in use" at the bind, after which
+    vLLM's NIXL handshake listener thread dies and the engine waits for it forever)."""
+    low, high = ephemeral_range()
+    spans = [(a, b) for a, b in ((LOWEST_PORT, low - 1), (high + 1, 65535)) if a <= b]
+    rng = random.SystemRandom()
+    for _ in range(attempts if spans else 0):
+        a, b = rng.choice(spans)
+        port = rng.randint(a, b)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room outside the range: the kernel's choice
+        s.bind(("", 0))
         return s.getsockname()[1]
+
 
 
 class Server:
@@ -34,7 +70,7 @@ class Server:
 
     def __init__(self, model: str, backend: str | None, engine: dict, log: Path,
                  base_env: dict, env: dict | None = None, tp: int = 1) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = log
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(self.port),
@@ -60,10 +96,17 @@ class Server:
 
     def wait_healthy(self, timeout: float) -> dict:
         """{"health_s": seconds from spawning to GET /health 200} or {"error": ...}: how the
-        server ended (or that it was not healthy in time) and its log's last lines."""
+        server ended (or that it was not healthy in time, or that a thread of it died while
+        it started) and its log's last lines."""
+        seen = 0
         while time.monotonic() - self.started < timeout:
             if self.proc.poll() is not None:
                 return {"error": self.failure("server ended")}
+            seen, died = self._dead_thread(seen)
+            if died:
+                return {"error": self.failure(
+                    f"a thread of the server died while it started ({died}): it would wait "
+                    "for that thread until the deadline", lines=12), "dead_thread": died}
             try:
                 with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
                     if r.status == 200:
@@ -72,6 +115,23 @@ class Server:
                 pass
             time.sleep(0.25)
         return {"error": self.failure(f"no /health 200 within {timeout:g} s")}
+
+    def _dead_thread(self, offset: int) -> tuple[int, str]:
+        """(where the log was read to, the first line saying a thread died from ``offset``
+        on, or ""): vLLM starts threads that the engine then waits for (NixlConnector's
+        handshake listener signals that it bound its port); one that dies of an exception
+        leaves the server neither healthy nor ended."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return offset, ""
+        end = data.rfind(b"\n") + 1  # whole lines only
+        for line in data[:end].decode(errors="replace").splitlines():
+            if DEAD_THREAD in line:
+                return offset + end, line.strip()
+        return offset + end, ""
 
     def failure(self, what: str, lines: int = 5) -> str:
         """One line: ``what``, whether the server still runs, its log's last lines."""

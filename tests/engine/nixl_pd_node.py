@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -207,12 +206,6 @@ def main() -> None:
 
 # -- driver: the test side --------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(role: str, model: Path, workdir: Path, backend: str, env: dict[str, str],
            node_args: list[str]) -> subprocess.Popen:
     log = open(workdir / f"{role}.log", "w")
@@ -351,6 +344,9 @@ def run_disaggregated(model: Path, workdir: Path, prompts: list[list[int]],
     """A prefill and a decode instance at once; ``env_of(role)`` is each one's environment
     (e.g. its GPU); ``backend`` is both instances' KV memory backend, or (prefill's,
     decode's). Returns both instances' reports."""
+    # scripts/bench is on the tests' path (tests/conftest.py), not on the instances'.
+    from bench_server import free_port
+
     backends = dict(zip(("prefill", "decode"),
                         (backend, backend) if isinstance(backend, str) else backend))
     workdir.mkdir(parents=True, exist_ok=True)

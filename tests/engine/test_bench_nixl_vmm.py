@@ -81,3 +81,17 @@ def test_every_mode_reads_a_table_larger_than_a_pipe(tmp_path: Path):
     assert results["of_link"]["link"] == 1.0
     assert results["vmm_over_stock"] == pytest.approx(
         results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"])
+
+
+def test_profile_gives_the_readers_rows(tmp_path: Path):
+    out = tmp_path / "nixl.json"
+    cmd = [sys.executable, str(SCRIPT), "--kind", "host", "--block-bytes", "1024",
+           "--num-blocks", "256", "--blocks-per-read", "64", "--warmup", "1", "--iters", "3",
+           "--modes", "stock", "--profile", "--json", str(out)]
+    done = run_in_own_session(cmd, env=dict(os.environ, **UCX_ENV), timeout=300,
+                              what="bench_nixl_vmm.py")
+    assert done.returncode == 0, done.stdout[-4000:]
+    rows = json.loads(out.read_text())["stock"]["profile"]
+    # The reader's NIXL calls of its timed reads, by own time, also printed.
+    assert "Ordered by: internal time" in rows and "make_prepped_xfer" in rows, rows
+    assert "the reader's reads under cProfile:" in done.stdout

@@ -22,12 +22,12 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_server import free_port
 
 HERE = Path(__file__).resolve().parent
 PAGE = mmap.PAGESIZE
@@ -46,15 +46,9 @@ def _can_unshare() -> bool:
     return probe.returncode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not _can_unshare(), reason="needs mount namespaces (unshare -m)")
 def test_two_nodes_size_and_fill_node_local_regions(tmp_path: Path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     nodes = []
     for node in range(NNODES):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_server import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -95,14 +96,6 @@ def test_vmm_tensor_parallel_2_on_gpu(gpu_model: Path, executor: str):
     assert stats[0]["kv_pages_mapped_total"] == stats[1]["kv_pages_mapped_total"] >= 2
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
     import json
     import urllib.error
@@ -135,7 +128,7 @@ def test_vmm_openai_server_tensor_parallel_2(gpu_model: Path, executor: str, tmp
         pytest.skip("needs 2 GPUs (TP=2)")
     if executor == "ray" and importlib.util.find_spec("ray") is None:
         pytest.skip("needs ray (pip install ray) for --distributed-executor-backend ray")
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(gpu_model), "--load-format", "dummy", "--skip-tokenizer-init",

@@ -22,8 +22,9 @@ from own_session import run_in_own_session
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench" / "bench_pd.py"
 
-# What FAKE_SERVE says, per role: "start-fail", "die-at:N" or "stall-at:N" (at the N-th
-# completion request, counting from 0), else it answers. The role is in its log's name.
+# What FAKE_SERVE says, per role: "start-fail", "thread-dies", "die-at:N" or "stall-at:N" (at
+# the N-th completion request, counting from 0), else it answers. The role is in its log's
+# name.
 STAND_IN = r'''
 import http.server, json, os, sys, time
 
@@ -35,6 +36,13 @@ print(f"stand-in {role} server on port {port}: {action or 'answers'}", flush=Tru
 if action == "start-fail":
     print("RuntimeError: Engine core initialization failed (stand-in)", flush=True)
     sys.exit(1)
+if action == "thread-dies":
+    # As vLLM's engine core when NixlConnector's handshake listener cannot bind its port:
+    # the thread dies, the engine waits for it, the server neither answers nor ends.
+    print("(EngineCore pid=1) Exception in thread nixl_handshake_listener:", flush=True)
+    print("(EngineCore pid=1) zmq.error.ZMQError: Address already in use (stand-in)",
+          flush=True)
+    time.sleep(3600)
 count = 0
 
 
@@ -83,7 +91,7 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
 
-def run_pd(tmp_path: Path, plan: str, limit: float = 90):
+def run_pd(tmp_path: Path, plan: str, limit: float = 90, timeout: float = 5):
     stand_in = tmp_path / "stand-in"
     server = stand_in / "vllm" / "entrypoints" / "openai"
     server.mkdir(parents=True)
@@ -97,7 +105,7 @@ def run_pd(tmp_path: Path, plan: str, limit: float = 90):
     done = run_in_own_session(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--backend", "vmm", "--model",
          str(tmp_path), "--json", str(out), "--requests", "4", "--prompt-len", "8",
-         "--timeout", "5"], env=env, timeout=limit, what="bench_pd.py")
+         "--timeout", str(timeout)], env=env, timeout=limit, what="bench_pd.py")
     return done, time.monotonic() - start, out
 
 
@@ -142,3 +150,41 @@ def test_an_instance_that_fails_to_start_ends_the_run_with_its_log(tmp_path):
     assert seconds < 30
     assert "error: decode instance: ended while starting (exit status 1)" in done.stdout
     assert "RuntimeError: Engine core initialization failed (stand-in)" in done.stdout
+
+
+def test_an_instance_whose_thread_dies_while_starting_ends_the_run_at_once(tmp_path):
+    # A deadline far away: only seeing the dead thread in the log ends the run in time.
+    done, seconds, _ = run_pd(tmp_path, "decode=thread-dies", timeout=600)
+    assert done.returncode == 1, done.stdout
+    assert seconds < 30
+    text = done.stdout
+    assert ("error: decode instance: a thread died while starting: (EngineCore pid=1) "
+            "Exception in thread nixl_handshake_listener:") in text
+    assert "(still running)" in text and "Address already in use (stand-in)" in text
+
+
+def test_ports_handed_to_servers_are_outside_the_ephemeral_range(tmp_path, monkeypatch):
+    import socket
+
+    import bench_server
+
+    ranges = tmp_path / "ip_local_port_range"
+    monkeypatch.setattr(bench_server, "EPHEMERAL_RANGE_FILE", ranges)
+    ranges.write_text("20000\t65535\n")
+    ports = {bench_server.free_port() for _ in range(20)}
+    assert all(bench_server.LOWEST_PORT <= p < 20000 for p in ports), ports
+    ranges.write_text("1024 40000\n")
+    assert all(40000 < bench_server.free_port() <= 65535 for _ in range(20))
+    # A port something listens on is never handed out; with no other port outside the
+    # range, the kernel picks one.
+    low = bench_server.LOWEST_PORT
+    ranges.write_text(f"{low + 1} 65535\n")
+    with socket.socket() as taken:
+        try:
+            taken.bind(("", low))
+        except OSError:
+            pass  # already taken by something else: as good for the check
+        assert bench_server.free_port() != low
+    # No range to read: Linux's default one.
+    ranges.unlink()
+    assert not 32768 <= bench_server.free_port() <= 60999
