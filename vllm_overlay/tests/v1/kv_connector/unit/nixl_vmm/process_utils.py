@@ -4,11 +4,14 @@
 (started with the channel's name and secret, killed with SIGKILL)."""
 
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import weakref
 
 _PYTHON_PRELUDE = textwrap.dedent("""
     import os, sys, time, signal, uuid
@@ -49,17 +52,44 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """The child's output lines as a thread reads them (None at its end), so
+    that a wait for a line has a deadline even while the child prints
+    nothing."""
+    lines = _LINES.get(proc)
+    if lines is None:
+        lines = _LINES[proc] = queue.Queue()
+        assert proc.stdout is not None
+
+        def pump(stdout=proc.stdout, lines=lines) -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True, name="child-stdout").start()
+    return lines
+
+
+_LINES: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def readline(proc: subprocess.Popen, want: str, timeout: float = 300) -> str:
     """The first line of the child that starts with ``want`` (importing vLLM
-    takes a while on a busy host)."""
+    takes a while on a busy host), within ``timeout`` seconds: a child that
+    stalls, silent or not, fails the test then."""
     deadline = time.monotonic() + timeout
-    lines = []
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    seen: list[str] = []
+    lines = _lines(proc)
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
             break
-        lines.append(line)
+        if line is None:
+            break
+        seen.append(line)
         if line.startswith(want):
             return line
-    raise AssertionError(f"child never printed {want!r}:\n{''.join(lines)}")
+    raise AssertionError(f"child never printed {want!r}:\n{''.join(seen)}")
