@@ -235,14 +235,8 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
         remote_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
         if profiler is not None and i == args.warmup:
             profiler.enable()
-        start = time.perf_counter()
-        handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids)
-        made = time.perf_counter()
-        state = xfer.transfer(handle)
-        posted = time.perf_counter()
-        while state == "PROC":
-            state = xfer.check_xfer_state(handle)
-        done = time.perf_counter()
+        handle, state, (start, made, posted, done) = timed_read(
+            xfer, local, local_ids, remote, remote_ids)
         assert state == "DONE", f"read ended in state {state}"
         xfer.release_xfer_handle(handle)
         if i >= args.warmup:
@@ -268,6 +262,22 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     close()
     return _result(args.blocks_per_read * args.block_bytes, seconds, phases) | {
         "same_host_reads": reads} | ({"profile": _profile_rows(profiler)} if profiler else {})
+
+
+def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: Any,
+               **kwargs: Any) -> tuple[Any, str, tuple[float, float, float, float]]:
+    """One READ of ``remote_ids`` into ``local_ids`` through a NIXL agent (or the series'
+    wrapper of one), polled until it is over: its handle, its last state, and
+    ``perf_counter()`` before ``make_prepped_xfer``, after it, after ``transfer`` and when
+    the polling ended."""
+    start = time.perf_counter()
+    handle = xfer.make_prepped_xfer("READ", local, local_ids, remote, remote_ids, **kwargs)
+    made = time.perf_counter()
+    state = xfer.transfer(handle)
+    posted = time.perf_counter()
+    while state == "PROC":
+        state = xfer.check_xfer_state(handle)
+    return handle, state, (start, made, posted, time.perf_counter())
 
 
 def _profile_rows(profiler: cProfile.Profile, rows: int = 30) -> str:

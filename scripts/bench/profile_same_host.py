@@ -46,10 +46,14 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_nixl_vmm import timed_read  # noqa: E402
 
 SHAPES = {"random": (256 << 10, 2048, 512), "prompt": (32 << 10, 32768, 16000)}
 PHASES = ("make", "post", "poll", "release")
@@ -207,23 +211,15 @@ class Side:
     def exporter_chunks(self) -> list:
         return [c for s in self.table.segments() for c in s.chunks]
 
-    def read(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[int, ...]:
-        """One read; the nanoseconds of each phase."""
-        xfer = self.xfer
-        t0 = time.perf_counter_ns()
-        handle = xfer.make_prepped_xfer("READ", self.local, local_ids, self.remote,
-                                        remote_ids, notif_msg=b"req")
-        t1 = time.perf_counter_ns()
-        state = xfer.transfer(handle)
-        t2 = time.perf_counter_ns()
-        while state == "PROC":
-            state = xfer.check_xfer_state(handle)
-        t3 = time.perf_counter_ns()
-        xfer.release_xfer_handle(handle)
-        t4 = time.perf_counter_ns()
+    def read(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[float, ...]:
+        """One read (as bench_nixl_vmm.py times it); the nanoseconds of each phase."""
+        handle, state, (t0, t1, t2, t3) = timed_read(
+            self.xfer, self.local, local_ids, self.remote, remote_ids, notif_msg=b"req")
+        self.xfer.release_xfer_handle(handle)
+        t4 = time.perf_counter()
         if state != "DONE":
             raise SystemExit(f"a read ended in state {state}")
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        return tuple((b - a) * 1e9 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4)))
 
     def close(self) -> None:
         self.reads.close()

@@ -261,42 +261,6 @@ def test_the_ci_tier_counts_patches(project: Project, monkeypatch):
     assert counts["failed"] == 1 and counts["passed"] == 0
 
 
-def test_a_stopped_check_ends_its_tests_and_removes_its_worktree(project: Project,
-                                                                  tmp_path: Path):
-    import os
-    import signal
-    import subprocess
-    import time
-
-    bisect_project(project)
-    started = tmp_path / "started"
-    commit(project, {"tests/test_slow.py": "import os\nimport time\n\n\n"
-                                           "def test_slow():\n"
-                                           "    with open(os.environ['STARTED'], 'w') as f:\n"
-                                           "        f.write(str(os.getpid()))\n"
-                                           "    time.sleep(300)\n"},
-           "[Core] A slow test")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "check_bisect.py"),
-                             "--version", V1, "--python", sys.executable],
-                            env={**project.env, "STARTED": str(started)}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert started.exists(), "the slow test never started"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, out
-    test_pid = int(started.read_text())
-    with pytest.raises(ProcessLookupError):
-        os.kill(test_pid, 0)
-    assert not (project.root / "build" / ".bisect" / f"vllm-{V1}").exists()
-
-
 MEET = """\
 import os
 import time
@@ -339,7 +303,9 @@ def test_jobs_run_patches_tests_at_once_each_in_its_worktree_reported_in_order(
     assert "FAIL  tests: 1 failed of 1 files" in lines(proc.stdout)["0001"], proc.stdout
 
 
-def test_a_stopped_check_ends_the_tests_of_every_job(project: Project, tmp_path: Path):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_stopped_check_ends_the_tests_of_every_job_and_removes_its_worktrees(
+        project: Project, tmp_path: Path, jobs: int):
     import os
     import signal
     import subprocess
@@ -351,19 +317,20 @@ def test_a_stopped_check_ends_the_tests_of_every_job(project: Project, tmp_path:
             "    with open(os.path.join(os.environ['STARTED'], '{n}'), 'w') as f:\n"
             "        f.write(str(os.getpid()))\n"
             "    time.sleep(300)\n")
-    for n in "12":
+    names = [str(n) for n in range(1, jobs + 1)]
+    for n in names:
         commit(project, {f"tests/test_slow{n}.py": slow.format(n=n)}, f"[Core] Slow {n}")
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "check_bisect.py"),
-                             "--version", V1, "--python", sys.executable, "--jobs", "2"],
+                             "--version", V1, "--python", sys.executable, "--jobs", str(jobs)],
                             env={**project.env, "STARTED": str(tmp_path)}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    started = [tmp_path / n for n in "12"]
+    started = [tmp_path / n for n in names]
     try:
         deadline = time.monotonic() + 120
         while (not all(p.exists() and p.read_text() for p in started)
                and time.monotonic() < deadline):
             time.sleep(0.2)
-        assert all(p.exists() for p in started), "the slow tests never both started"
+        assert all(p.exists() for p in started), "the slow tests never all started"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
