@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import tarfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -733,4 +733,6 @@ def scratch_worktree(tree: Path, ref: str, name: str):
     finally:
         git(tree, "worktree", "remove", "--force", str(wt), check=False)
         shutil.rmtree(wt, ignore_errors=True)
+        with suppress(OSError):  # build/.<name>/ once nothing else is in it
+            wt.parent.rmdir()
         git(tree, "worktree", "prune", check=False)

@@ -400,7 +400,6 @@ def check_release(release: Release, args) -> tuple[list[PatchResult], int]:
 class Applied:
     """A patch that applied: its commit in the check's worktree and the files it touched."""
 
-    index: int
     result: PatchResult
     commit: str
     changed: list[str]
@@ -438,7 +437,7 @@ def apply_each(patches: list[Path], wt: Path, ruff: Ruff, python: str, args,
     at once when `width` is given. Returns the patches that applied, and the result of the
     one that did not (the stack stops there), if any."""
     applied: list[Applied] = []
-    for index, patch in enumerate(patches):
+    for patch in patches:
         result = PatchResult(patch.name)
         start = time.monotonic()
         try:
@@ -469,7 +468,7 @@ def apply_each(patches: list[Path], wt: Path, ruff: Ruff, python: str, args,
             if any(s.name == name for s in result.steps):
                 continue
             result.steps.append(timed(name, fn))
-        applied.append(Applied(index, result, git_out(wt, "rev-parse", "HEAD"), changed, added))
+        applied.append(Applied(result, git_out(wt, "rev-parse", "HEAD"), changed, added))
         if width is not None:
             report(result, width)
     return applied, None
@@ -490,15 +489,17 @@ def test_each(applied: list[Applied], tree: Path, wt: Path, jobs: int, python: s
     """Each applied patch's own tests, at its commit, `jobs` patches at a time, each job in a
     worktree of its own (the check's, and jobs - 1 more under build/.bisect/N/); results are
     reported in the stack's order as soon as every patch before them is done."""
-    done: dict[int, PatchResult] = {}
+    done: set[int] = set()  # positions in `applied`
     shown = 0
     lock = threading.Lock()
+    test_env = {**env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
 
     def show() -> None:
         nonlocal shown
         with lock:
-            while shown < len(applied) and applied[shown].index in done:
-                report(done[applied[shown].index], width)
+            while shown in done:
+                report(applied[shown].result, width)
                 shown += 1
 
     with contextlib.ExitStack() as trees:
@@ -509,28 +510,29 @@ def test_each(applied: list[Applied], tree: Path, wt: Path, jobs: int, python: s
             copy_build_outputs(tree, extra)
             free.append(extra)
 
-        def job(item: Applied) -> None:
+        def job(position: int) -> None:
+            item = applied[position]
             with lock:
                 where = free.pop()
             try:
                 git(where, "checkout", "-q", "--detach", item.commit)
-                test_env = {**env, "KVSERIES_VLLM_TREE": str(where), "HF_HUB_OFFLINE": "1",
-                            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
                 item.result.steps.append(timed("tests", lambda: tests_step(
-                    python, where, item.changed, item.added, test_env, args.test_timeout,
+                    python, where, item.changed, item.added,
+                    {**test_env, "KVSERIES_VLLM_TREE": str(where)}, args.test_timeout,
                     args.per_test_timeout)))
             finally:
                 with lock:
                     free.append(where)
-            done[item.index] = item.result
+            with lock:
+                done.add(position)
             show()
 
         if len(free) == 1:
-            for item in applied:
-                job(item)
+            for position in range(len(applied)):
+                job(position)
             return
         with ThreadPoolExecutor(len(free), thread_name_prefix="bisect-tests") as pool:
-            futures = [pool.submit(job, item) for item in applied]
+            futures = [pool.submit(job, position) for position in range(len(applied))]
             try:
                 for future in futures:
                     future.result()

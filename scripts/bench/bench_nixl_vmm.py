@@ -261,7 +261,7 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     _recv(conn, timeout, "word from the owner that the read is over")
     close()
     return _result(args.blocks_per_read * args.block_bytes, seconds, phases) | {
-        "same_host_reads": reads} | ({"profile": _profile_rows(profiler)} if profiler else {})
+        "same_host_reads": reads} | ({"profile": profile_rows(profiler)} if profiler else {})
 
 
 def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: Any,
@@ -280,11 +280,11 @@ def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: A
     return handle, state, (start, made, posted, time.perf_counter())
 
 
-def _profile_rows(profiler: cProfile.Profile, rows: int = 30) -> str:
-    """The reader's timed reads under cProfile, by own time (all its phases: where host
-    time goes on the reader's thread)."""
+def profile_rows(profiler: cProfile.Profile, sort: str = "tottime", rows: int = 30) -> str:
+    """The top ``rows`` of what ``profiler`` saw, by ``sort`` (default: own time): where a
+    reader's host time goes."""
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(profiler, stream=out).sort_stats(sort).print_stats(rows)
     return out.getvalue()
 
 

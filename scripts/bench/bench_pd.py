@@ -225,11 +225,13 @@ def main() -> None:
                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
             health = server.wait_healthy(args.timeout)
             if "error" in health:
-                raise InstanceFailed(role, server, "ended while starting"
-                                     if server.proc.poll() is not None else
-                                     f"a thread died while starting: {health['dead_thread']}"
-                                     if "dead_thread" in health else
-                                     f"not healthy in {args.timeout:g} s (--timeout)")
+                if server.proc.poll() is not None:
+                    what = "ended while starting"
+                elif "dead_thread" in health:
+                    what = f"a thread died while starting: {health['dead_thread']}"
+                else:
+                    what = f"not healthy in {args.timeout:g} s (--timeout)"
+                raise InstanceFailed(role, server, what)
         prefill, decode = servers["prefill"], servers["decode"]
         for i in range(args.requests + 1):
             prompt = [(7919 * i + 13 * j) % 3000 + 100 for j in range(args.prompt_len)]

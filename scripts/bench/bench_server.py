@@ -62,7 +62,6 @@ def free_port(attempts: int = 200) -> int:
         return s.getsockname()[1]
 
 
-
 class Server:
     """`vllm serve` in its own process group, so that its engine core and workers stop with
     it; ``env`` adds to (or overrides) ``base_env``; ``backend`` None leaves

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import statistics
 import sys
 import threading
@@ -53,7 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_nixl_vmm import timed_read  # noqa: E402
+from bench_nixl_vmm import profile_rows, timed_read  # noqa: E402
 
 SHAPES = {"random": (256 << 10, 2048, 512), "prompt": (32 << 10, 32768, 16000)}
 PHASES = ("make", "post", "poll", "release")
@@ -278,10 +276,8 @@ def main() -> None:
                 prof.enable()
                 _repetition(sides[s], SHAPES[s], args.reads, args.warmup, 0)
                 prof.disable()
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats(args.sort).print_stats(25)
                 print(f"--- {s}: cProfile, by {args.sort}")
-                print(out.getvalue())
+                print(profile_rows(prof, args.sort, rows=25))
     finally:
         for side in sides.values():
             side.close()

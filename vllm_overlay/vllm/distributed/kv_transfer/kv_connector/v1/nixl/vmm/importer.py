@@ -351,7 +351,7 @@ class ChunkImporter:
                 known.addrs[indices[missing]] = looked_up
                 known.complete = bool(known.addrs.min())
             generation = self._generation
-            self._reads[generation] = self._reads.get(generation, 0) + 1
+            self._reads[generation] += 1
             return addrs, generation
 
     def _look_up(self, remote: Descs, indices: np.ndarray) -> np.ndarray | None:
