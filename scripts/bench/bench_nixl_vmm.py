@@ -302,6 +302,8 @@ def _result(nbytes: int, seconds: list[float],
         result["phase_median_ms"] = {
             name: statistics.median(p[i] for p in phases) * 1e3
             for i, name in enumerate(PHASES)}
+        # Read by read, in order: how the first reads differ from later ones.
+        result["phases_ms"] = [[round(t * 1e3, 4) for t in p] for p in phases]
     return result
 
 

@@ -209,6 +209,54 @@ def test_reads_of_one_list_follow_the_chunks_mapped_at_each_read(producer, impor
     assert read(3) == 9
 
 
+def test_a_list_is_looked_up_whole_when_first_read_and_after_chunks_come(
+    producer, importer, monkeypatch
+):
+    """A list's first read finds where each of its descriptors lies in the
+    chunks mapped then, so reads of other blocks in them look nothing up
+    (read by read, each of a list's first reads paid a lookup of its own).
+    A read that misses addresses in chunks mapped since looks the list up
+    whole again where that costs at most a few times its own lookup (a
+    reader's first reads can come before every chunk is mapped here); a
+    single block in a chunk mapped later is looked up alone."""
+    table = producer.table
+    dst = np.zeros(BLOCK, dtype=np.uint8)
+    remote = Descs(rows(producer.base, range(NUM_BLOCKS)), "DRAM")
+
+    def map_page(page):
+        table.map_pages([page])
+        for block in range(8 * page, 8 * page + 8):
+            fill(table, block, block + 1)
+        wait_until(lambda: importer.num_mapped == page + 1)
+
+    def read(block):
+        return copy_block(importer, remote, block, dst) and dst[0] == block + 1
+
+    map_page(0)
+    assert read(3)
+    looked_up = []
+    look_up = importer._look_up
+
+    def counted_look_up(*args):
+        looked_up.append(args)
+        return look_up(*args)
+
+    monkeypatch.setattr(importer, "_look_up", counted_look_up)
+    assert all(read(block) for block in range(8))
+    map_page(1)
+    map_page(2)
+    # Eight blocks missed in a list of 64: the whole list is looked up.
+    pinned = importer.pin(remote, np.arange(8, 16))
+    assert pinned is not None
+    importer.unpin(pinned[1])
+    assert all(read(block) for block in range(24))
+    assert not looked_up
+    map_page(3)
+    assert read(25)
+    assert len(looked_up) == 1
+    assert not copy_block(importer, remote, 40, dst)
+
+
 def test_a_reader_that_leaves_while_asked_to_drop_is_no_fault(
     producer, backend, monkeypatch, caplog
 ):

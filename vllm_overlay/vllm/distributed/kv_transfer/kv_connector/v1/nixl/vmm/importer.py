@@ -54,14 +54,22 @@ class _Mapped:
     dropping: bool = False
 
 
+# A list whose reads miss addresses is looked up whole again (once per
+# chunks mapped since it last was) only while that costs at most this many
+# times the lookup of the addresses a read misses.
+_LOOK_AT_ALL = 8
+
+
 @dataclasses.dataclass
 class _LocalAddrs:
     """Each descriptor's address here of one producer list (0: not looked up
     yet, or outside the chunks mapped then); ``complete`` once none is 0, so
-    a read need not look for one."""
+    a read need not look for one; ``maps``: the importer's count of chunks
+    mapped when the whole list was last looked up."""
 
     addrs: np.ndarray
     complete: bool = False
+    maps: int = 0
 
 
 class ChunkImporter:
@@ -99,6 +107,7 @@ class ChunkImporter:
         self._cond = threading.Condition()
         self._mapped: dict[int, _Mapped] = {}
         self._index: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._maps = 0  # chunks mapped so far
         # A producer's descriptor list -> each descriptor's address here (0:
         # not looked up yet, or outside the chunks mapped then). Kept until a
         # drop: chunks mapped later only add addresses.
@@ -271,6 +280,7 @@ class ChunkImporter:
                 with self._cond:
                     self._mapped[chunk_id] = _Mapped(remote_va, chunk)
                     self._index = None
+                    self._maps += 1
                     self.alignment = min(
                         self.alignment, alignment_of(remote_va | chunk.addr)
                     )
@@ -338,25 +348,58 @@ class ChunkImporter:
                 return None
             known = self._local_addrs.get(remote)
             if known is None:
-                known = _LocalAddrs(np.zeros(len(remote.addrs), dtype=np.uint64))
-                self._local_addrs[remote] = known
+                known = self._local_addrs[remote] = self._look_at(remote)
             addrs = known.addrs.take(indices)
             # No reduction once every descriptor was looked up, else one.
             if not known.complete and len(addrs) and not addrs.min():
                 missing = np.flatnonzero(addrs == 0)
-                looked_up = self._look_up(remote, indices[missing])
-                if looked_up is None:
-                    return None
-                addrs[missing] = looked_up
-                known.addrs[indices[missing]] = looked_up
-                known.complete = bool(known.addrs.min())
+                mapped_since = known.maps != self._maps
+                if mapped_since and len(known.addrs) <= _LOOK_AT_ALL * len(missing):
+                    known = self._local_addrs[remote] = self._look_at(remote)
+                    addrs = known.addrs.take(indices)
+                    missing = np.flatnonzero(addrs == 0)
+                if len(missing):
+                    looked_up = self._look_up(remote, indices[missing])
+                    if looked_up is None:
+                        return None
+                    addrs[missing] = looked_up
+                    known.addrs[indices[missing]] = looked_up
+                    known.complete = bool(known.addrs.min())
             generation = self._generation
             self._reads[generation] += 1
             return addrs, generation
 
+    def _look_at(self, remote: Descs) -> _LocalAddrs:
+        """Where every descriptor of ``remote`` is mapped here now (0 where
+        none is), when a list is first read and again when its reads miss
+        addresses in chunks mapped since (lock held). Looked up read by read
+        instead, the first reads of a list each pay a lookup of their own
+        descriptors until every one was seen: with random blocks, dozens of
+        reads (the same vectorized work as one lookup of the whole list).
+        A reader's first reads can come before the producer's chunks are
+        all mapped here, so one look when the list is new is not enough."""
+        local = np.zeros(len(remote.addrs), dtype=np.uint64)
+        found = self._locate(remote, np.arange(len(remote.addrs)))
+        if found is not None:
+            addrs, ok = found
+            np.copyto(local, addrs, where=ok)
+        complete = bool(len(local)) and bool(local.min())
+        return _LocalAddrs(local, complete, self._maps)
+
     def _look_up(self, remote: Descs, indices: np.ndarray) -> np.ndarray | None:
         """Where descriptors ``indices`` of ``remote`` are mapped here, or
         None unless each lies inside one chunk mapped now (lock held)."""
+        found = self._locate(remote, indices)
+        if found is None or not found[1].all():
+            return None
+        return found[0]
+
+    def _locate(
+        self, remote: Descs, indices: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where descriptors ``indices`` of ``remote`` would be mapped here,
+        and which of them lie inside one chunk mapped now (the others'
+        addresses mean nothing); None while no chunk is (lock held)."""
         if self._index is None:
             live = sorted(
                 (m.remote_va, m.chunk.nbytes, m.chunk.addr)
@@ -373,12 +416,10 @@ class ChunkImporter:
             return None
         src = np.take(remote.addrs, indices)
         idx = np.searchsorted(starts, src, side="right").astype(np.int64) - 1
-        ok = (idx >= 0) & (
-            src + np.take(remote.lengths, indices) <= ends[np.maximum(idx, 0)]
-        )
-        if not ok.all():
-            return None
-        return src - starts[idx] + chunk_addrs[idx]
+        ok = idx >= 0
+        np.maximum(idx, 0, out=idx)
+        ok &= src + np.take(remote.lengths, indices) <= ends[idx]
+        return src - starts[idx] + chunk_addrs[idx], ok
 
     def unpin(self, generation: int) -> None:
         """A read pinned in ``generation`` (:meth:`pin`) is over."""
