@@ -209,16 +209,16 @@ def test_reads_of_one_list_follow_the_chunks_mapped_at_each_read(producer, impor
     assert read(3) == 9
 
 
-def test_a_list_is_looked_up_whole_when_first_read_and_after_chunks_come(
+def test_a_read_that_misses_addresses_looks_its_list_up_whole(
     producer, importer, monkeypatch
 ):
-    """A list's first read finds where each of its descriptors lies in the
-    chunks mapped then, so reads of other blocks in them look nothing up
-    (read by read, each of a list's first reads paid a lookup of its own).
-    A read that misses addresses in chunks mapped since looks the list up
-    whole again where that costs at most a few times its own lookup (a
-    reader's first reads can come before every chunk is mapped here); a
-    single block in a chunk mapped later is looked up alone."""
+    """A read that misses addresses in chunks mapped since its list was
+    last looked at finds where every descriptor of the list lies (one
+    lookup), so reads of other blocks in those chunks look nothing up; read
+    by read, each of a list's first reads paid a lookup of its own. Also
+    after chunks come later (a reader's first reads can come before every
+    chunk is mapped here). A read that misses too little of a large list
+    for that looks up its own blocks alone."""
     table = producer.table
     dst = np.zeros(BLOCK, dtype=np.uint8)
     remote = Descs(rows(producer.base, range(NUM_BLOCKS)), "DRAM")
@@ -232,8 +232,11 @@ def test_a_list_is_looked_up_whole_when_first_read_and_after_chunks_come(
     def read(block):
         return copy_block(importer, remote, block, dst) and dst[0] == block + 1
 
-    map_page(0)
-    assert read(3)
+    def read_all(blocks):
+        pinned = importer.pin(remote, np.array(blocks))
+        assert pinned is not None
+        importer.unpin(pinned[1])
+
     looked_up = []
     look_up = importer._look_up
 
@@ -242,19 +245,19 @@ def test_a_list_is_looked_up_whole_when_first_read_and_after_chunks_come(
         return look_up(*args)
 
     monkeypatch.setattr(importer, "_look_up", counted_look_up)
-    assert all(read(block) for block in range(8))
+    map_page(0)
     map_page(1)
+    read_all(range(8))  # 8 of 64 blocks missed: the whole list
+    assert all(read(block) for block in range(16))
     map_page(2)
-    # Eight blocks missed in a list of 64: the whole list is looked up.
-    pinned = importer.pin(remote, np.arange(8, 16))
-    assert pinned is not None
-    importer.unpin(pinned[1])
-    assert all(read(block) for block in range(24))
-    assert not looked_up
     map_page(3)
-    assert read(25)
+    read_all(range(16, 24))  # again, for the chunks mapped since
+    assert all(read(block) for block in range(32))
+    assert not looked_up
+    map_page(4)
+    assert read(33)  # 1 of 64 missed: this block alone
     assert len(looked_up) == 1
-    assert not copy_block(importer, remote, 40, dst)
+    assert not copy_block(importer, remote, 50, dst)
 
 
 def test_a_reader_that_leaves_while_asked_to_drop_is_no_fault(

@@ -54,9 +54,9 @@ class _Mapped:
     dropping: bool = False
 
 
-# A list whose reads miss addresses is looked up whole again (once per
-# chunks mapped since it last was) only while that costs at most this many
-# times the lookup of the addresses a read misses.
+# A read that misses addresses looks its list up whole (once per chunks
+# mapped since it last was) where that costs at most this many times the
+# lookup of the addresses it misses, else only those.
 _LOOK_AT_ALL = 8
 
 
@@ -65,11 +65,11 @@ class _LocalAddrs:
     """Each descriptor's address here of one producer list (0: not looked up
     yet, or outside the chunks mapped then); ``complete`` once none is 0, so
     a read need not look for one; ``maps``: the importer's count of chunks
-    mapped when the whole list was last looked up."""
+    mapped when the whole list was last looked up (-1: never)."""
 
     addrs: np.ndarray
     complete: bool = False
-    maps: int = 0
+    maps: int = -1
 
 
 class ChunkImporter:
@@ -348,7 +348,8 @@ class ChunkImporter:
                 return None
             known = self._local_addrs.get(remote)
             if known is None:
-                known = self._local_addrs[remote] = self._look_at(remote)
+                known = _LocalAddrs(np.zeros(len(remote.addrs), dtype=np.uint64))
+                self._local_addrs[remote] = known
             addrs = known.addrs.take(indices)
             # No reduction once every descriptor was looked up, else one.
             if not known.complete and len(addrs) and not addrs.min():
@@ -371,13 +372,13 @@ class ChunkImporter:
 
     def _look_at(self, remote: Descs) -> _LocalAddrs:
         """Where every descriptor of ``remote`` is mapped here now (0 where
-        none is), when a list is first read and again when its reads miss
-        addresses in chunks mapped since (lock held). Looked up read by read
-        instead, the first reads of a list each pay a lookup of their own
+        none is), for a read that misses addresses in chunks mapped since the
+        list was last looked at (lock held). Looked up read by read only,
+        the first reads of a list each paid a lookup of their own
         descriptors until every one was seen: with random blocks, dozens of
-        reads (the same vectorized work as one lookup of the whole list).
-        A reader's first reads can come before the producer's chunks are
-        all mapped here, so one look when the list is new is not enough."""
+        reads (each about the vectorized work of one lookup of the whole
+        list). Not only at a list's first read: a reader's first reads can
+        come before the producer's chunks are all mapped here."""
         local = np.zeros(len(remote.addrs), dtype=np.uint64)
         found = self._locate(remote, np.arange(len(remote.addrs)))
         if found is not None:
