@@ -99,8 +99,13 @@ class Simulation:
         seed: int,
         step_s: float = 0.05,
         options: ReclaimOptions | None = None,
+        knows_steps_left: bool = True,
     ) -> None:
         self.capacity = capacity_bytes
+        # Whether engines tell their controllers the pages their running
+        # requests free within the preemption delay (each one's steps left
+        # are known, as a pool knows its requests' tokens to come).
+        self.knows_steps_left = knows_steps_left
         self.engines = engines
         self.rng = random.Random(seed)
         self.step_s = step_s
@@ -176,12 +181,15 @@ class Simulation:
         if engine.controller is None:
             limit = self.capacity // engine.page_bytes
             return ShareDecision(limit, 0, False, self.capacity)
+        delay_steps = engine.controller.options.preempt_delay_s / self.step_s
+        freeing = sum(r.pages for r in engine.running if r.left <= delay_steps)
         return engine.controller.step(
             self.now,
             self.capacity,
             [e.demand() for e in self.engines],
             mapped_pages=engine.mapped,
             free_pages=engine.mapped - engine.used,
+            freeing_pages=freeing if self.knows_steps_left else None,
         )
 
     def _trim(self, engine: SimEngine) -> None:

@@ -40,6 +40,13 @@ class Waiting:
     num_tokens: int
 
 
+@dataclass
+class Running:
+    num_tokens: int
+    max_tokens: int
+    num_output_tokens: int
+
+
 def make_pool(name: str, clock: Clock, **share) -> FairSharePagedBlockPool:
     """An engine's pool without page reports (blocks of new pages are handed
     out at once), a long shrink delay (pages stay mapped unless the share
@@ -324,6 +331,30 @@ def test_preemption_only_after_the_delay_and_within_the_rate(ledger_base):
     # rate (2 pages).
     owed = a.share_preempt_pages()
     assert 0 < owed <= 2
+    a.free_blocks(held)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("tokens_left, at_once", [(1000, True), (5, False)])
+def test_preemption_at_once_where_running_requests_outlive_the_delay(
+    ledger_base, tokens_left, at_once
+):
+    """A holder whose running requests have more tokens to come than its
+    steps (0.1 s each here) make within the preemption delay (2 s: 20
+    steps) preempts for a waiter as soon as the waiter counts; where they
+    finish within it, the holder waits it out."""
+    clock = Clock()
+    a = make_pool("a", clock)
+    held = hold(a, 14 * BPP - 1)  # every page in use
+    running = [Running(16 * len(held), tokens_left + 10, num_output_tokens=10)]
+    for _ in range(3):
+        a.note_waiting([], 0, 16, running=running)
+        step(a, clock)
+    b = start_waiting_engine(clock)
+    a.note_waiting([], 0, 16, running=running)
+    wait_until_it_counts(a, b, clock)
+    assert (a.share_preempt_pages() > 0) == at_once
     a.free_blocks(held)
     a.close()
     b.close()

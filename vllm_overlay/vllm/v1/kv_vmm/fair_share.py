@@ -54,7 +54,10 @@ class ReclaimOptions:
     preempt_delay_s: float = 2.0
     """``--kv-cache-vmm-reclaim-preempt-delay``: seconds of pressure before
     running requests are preempted for pages that free pages do not cover
-    (until then the holder's requests finish and free them)."""
+    (until then the holder's requests finish and free them). An engine
+    whose running requests will free too few of them within the delay
+    preempts at once: waiting would only keep the waiter waiting, and lose
+    more decoded tokens to recompute."""
     min_wait_s: float = 0.25
     """A waiter counts only once it has waited this long (a momentary
     blip causes no reclaim)."""
@@ -64,7 +67,10 @@ class ReclaimOptions:
     requests) finds them still free instead of taking them back again."""
     dead_band: float = 0.05
     """Within this fraction of its share (and at least one page) an engine
-    is left alone, as holder and as waiter."""
+    is left alone, as holder and as waiter: a holder within it preempts
+    nothing. Its free pages above its share still go to a waiter below its
+    own (they cost no recompute), else holders within their bands could
+    keep a waiter short by all their bands together."""
 
     def __post_init__(self) -> None:
         if self.bytes_per_s < 0:
@@ -123,6 +129,7 @@ class FairShareController:
         engines: Sequence[EngineDemand],
         mapped_pages: int,
         free_pages: int,
+        freeing_pages: int | None = None,
     ) -> ShareDecision:
         """Decide this step's limit and reclaim.
 
@@ -130,7 +137,10 @@ class FairShareController:
         ``mapped_pages``, the pool's own count); ``free_pages`` are pages the
         pool can give back without preempting (free pages beyond the step's
         worth of blocks it keeps for its running requests, cached ones
-        included). ``now`` is the host's monotonic clock.
+        included); ``freeing_pages``, where the pool can tell, the pages its
+        running requests free by finishing within the preemption delay
+        (None: not known; the delay is waited out). ``now`` is the host's
+        monotonic clock.
         """
         page = self.page_bytes
         me = next((e for e in engines if e.id == self.entry_id), None)
@@ -148,30 +158,41 @@ class FairShareController:
         self._refill(now)
         if self._note_pressure(now, engines, shares):
             self._held_target = target
-            reclaim, preempt = self._reclaim(now, me, share, target, free_pages)
+            reclaim, preempt = self._reclaim(
+                now, me, share, target, free_pages, freeing_pages
+            )
             return ShareDecision(target, reclaim, preempt, share)
         if self._holding(now):
             return ShareDecision(min(self._held_target, own_limit), 0, False, share)
         return ShareDecision(own_limit, 0, False, share)
 
     def _reclaim(
-        self, now: float, me: EngineDemand, share: int, target: int, free_pages: int
+        self,
+        now: float,
+        me: EngineDemand,
+        share: int,
+        target: int,
+        free_pages: int,
+        freeing_pages: int | None,
     ) -> tuple[int, bool]:
         """Pages to give back now under pressure, and whether preempting
-        for them is allowed: nothing within the dead band; down to the
-        target within the rate; beyond the free pages only once the pressure
-        has lasted ``preempt_delay_s``."""
+        for them is allowed: down to the target within the rate, free pages
+        first; beyond them (never within the dead band) once the pressure
+        has lasted ``preempt_delay_s``, or at once where the running
+        requests free too few within it (``freeing_pages``)."""
         page = self.page_bytes
-        if me.held_bytes - share <= max(self.options.dead_band * share, page):
-            return 0, False
         want = me.mapped_bytes // page - target
-        budget = int(self._tokens // page)
+        if want <= 0:
+            return 0, False
         assert self._pressure_since is not None
         waited = now - self._pressure_since
-        preempt = free_pages < want and waited >= self.options.preempt_delay_s
-        reclaim = max(min(want, budget if preempt else min(budget, free_pages)), 0)
+        too_few = freeing_pages is not None and free_pages + freeing_pages < want
+        in_band = me.held_bytes - share <= max(self.options.dead_band * share, page)
+        preempt = not in_band and (waited >= self.options.preempt_delay_s or too_few)
+        budget = int(self._tokens // page)
+        reclaim = max(min(want, budget, want if preempt else free_pages), 0)
         self._tokens -= reclaim * page
-        return reclaim, preempt and reclaim > free_pages
+        return reclaim, reclaim > free_pages
 
     def _own_limit_pages(self, me: EngineDemand, capacity_bytes: int) -> int:
         limit = capacity_bytes if me.limit_bytes is None else me.limit_bytes

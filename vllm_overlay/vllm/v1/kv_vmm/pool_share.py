@@ -12,7 +12,9 @@ admits no new request into the free blocks beyond it, gives free pages back
 (cached prefix blocks on them evicted) within the reclaim rate and, once
 the pressure lasted the preemption delay, has the scheduler preempt its
 newest running requests for the rest (vLLM's own preemption: they are
-recomputed later). The last running request is never preempted.
+recomputed later); at once where its running requests, by their tokens
+still to come at its recent step time, free too few pages within the
+delay. The last running request is never preempted.
 
 With ``--kv-cache-vmm-share-policy first-come`` the pool publishes its
 demand all the same (fair engines on the device yield to it) but keeps what
@@ -26,7 +28,7 @@ without a device ledger it acts as
 """
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -45,6 +47,10 @@ from vllm.v1.kv_vmm.pool_limits import (
 from vllm.v1.kv_vmm.scheduler import PagedBlockPool
 
 logger = init_logger(__name__)
+
+# A gap between two scheduler steps this long or longer is idle time, not a
+# step's (the step time estimates when running requests finish).
+STEP_GAP_S = 1.0
 
 
 class DeviceFairShare:
@@ -96,12 +102,15 @@ class DeviceFairShare:
             self.controllers = self._controllers()
         return policy == "fair"
 
-    def decide(self, now: float, free_pages: int) -> ShareDecision | None:
-        """Step every device's controller on the ledgers as last read: the
-        smallest effective limit, the largest reclaim, preemption where any
-        device allows it; the share on the device of the largest page.
-        None without a ledger read yet, or while the policy is not
-        ``fair``."""
+    def decide(
+        self, now: float, free_pages: int, freeing_pages: int | None = None
+    ) -> ShareDecision | None:
+        """Step every device's controller on the ledgers as last read
+        (``freeing_pages``: what the running requests free within the
+        preemption delay, if known): the smallest effective limit, the
+        largest reclaim, preemption where any device allows it; the share on
+        the device of the largest page. None without a ledger read yet, or
+        while the policy is not ``fair``."""
         share = self.share
         if not self.follow_policy():
             self.decision = None
@@ -116,7 +125,12 @@ class DeviceFairShare:
             controller.entry_id = entry_id  # joined again meanwhile
             engines = [e.demand() for e in state.entries]
             decision = controller.step(
-                now, state.capacity_bytes, engines, share.mapped_pages, free_pages
+                now,
+                state.capacity_bytes,
+                engines,
+                share.mapped_pages,
+                free_pages,
+                freeing_pages,
             )
             decisions.append((page_bytes, decision))
         if not decisions:
@@ -184,6 +198,15 @@ class FairSharePagedBlockPool(PagedBlockPool):
         self._waiting_since: float | None = None
         # When note_waiting last looked at the requests.
         self._waiting_noted_at = float("-inf")
+        # Pages the running requests free by finishing within the preemption
+        # delay (None: not known), from the steps' time: the mean time
+        # between consecutive steps (a gap of STEP_GAP_S or more is idle)
+        # since the requests were last looked at.
+        self._freeing_pages: int | None = None
+        self._step_s: float | None = None
+        self._step_at: float | None = None
+        self._step_time = 0.0
+        self._steps = 0
 
     @property
     def _page_limit(self) -> int:
@@ -243,7 +266,9 @@ class FairSharePagedBlockPool(PagedBlockPool):
         """Step the controllers on the ledgers just read."""
         if self._fair is None:
             return
-        decision = self._fair.decide(now, len(self._share_surplus()))
+        decision = self._fair.decide(
+            now, len(self._share_surplus()), self._freeing_pages
+        )
         if decision is None:
             self._share_limit, self._share_reclaim = None, 0
             self._share_preempt = False
@@ -302,18 +327,23 @@ class FairSharePagedBlockPool(PagedBlockPool):
 
         The requests are looked at once per :data:`LEDGER_READ_INTERVAL_S`
         at most (the want is published no more often), not at every step:
-        the running ones are a pass over every running request.
+        the running ones are a pass over every running request. The same
+        look counts the pages of those that finish within the preemption
+        delay, for the fair share's decision to preempt.
         """
         if self._fair is None:
             return
         now = self.clock()
+        self._note_step(now)
         if 0 <= now - self._waiting_noted_at < LEDGER_READ_INTERVAL_S:
             return
         self._waiting_noted_at = now
+        running = list(running)
 
         def blocks(reqs: Iterable[Any]) -> int:
             return sum(-(-r.num_tokens // block_size) * num_groups for r in reqs)
 
+        self._freeing_pages = self._freeing(running, blocks)
         to_come = max(blocks(running) - self._blocks_in_use, 0)
         need = to_come + blocks(itertools.islice(requests, max(max_requests, 0)))
         free = self.free_block_queue.num_free_blocks + self._inflight_blocks()
@@ -322,6 +352,38 @@ class FairSharePagedBlockPool(PagedBlockPool):
             self._waiting_since = None
         elif self._waiting_since is None:
             self._waiting_since = now
+
+    def _note_step(self, now: float) -> None:
+        """A scheduler step began (its call of note_waiting)."""
+        if self._step_at is not None and 0 <= now - self._step_at < STEP_GAP_S:
+            self._step_time += now - self._step_at
+            self._steps += 1
+        self._step_at = now
+
+    def _freeing(
+        self, running: list[Any], blocks: Callable[[Iterable[Any]], int]
+    ) -> int | None:
+        """Pages of the ``running`` requests that finish within the
+        preemption delay: those whose tokens still to come (up to
+        ``max_tokens``; a request may stop sooner) take no longer at the
+        steps' mean time since the last look, one token a step. Their
+        blocks are counted as if they freed whole pages (on the side of
+        waiting). None while no step time is known, or for requests that do
+        not say their ``max_tokens``."""
+        if self._steps:
+            self._step_s = self._step_time / self._steps
+            self._step_time, self._steps = 0.0, 0
+        if self._step_s is None or self._fair is None:
+            return None
+        horizon = self._fair.reclaim.preempt_delay_s / max(self._step_s, 1e-6)
+        finishing = []
+        for r in running:
+            max_tokens = getattr(r, "max_tokens", None)
+            if max_tokens is None:
+                return None
+            if max_tokens - r.num_output_tokens <= horizon:
+                finishing.append(r)
+        return blocks(finishing) // self.policy.blocks_per_page
 
     def admission_reserve_blocks(self) -> int:
         """Free blocks a waiting or preempted request may not take: those of
