@@ -18,6 +18,7 @@ import torch
 
 from tests.v1.kv_connector.unit.nixl_vmm.channel_utils import (  # noqa: F401 (fixture)
     producer_fixture,
+    raw,
 )
 from tests.v1.kv_connector.unit.nixl_vmm.process_utils import (
     kill,
@@ -43,6 +44,9 @@ from tests.v1.kv_connector.unit.nixl_vmm.utils import (
 )
 from tests.v1.kv_vmm.cuda_utils import requires_cuda_vmm
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import channel
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm import (
+    exporter as exporter_mod,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.vmm.channel import (
     SameHostUnavailable,
     new_secret,
@@ -332,6 +336,49 @@ def test_a_channel_that_timed_out_is_opened_again_later(caplog):
             exporter.close()
         table.close()
         backend.close()
+
+
+@pytest.mark.parametrize("why", ["pending", "timed_out"])
+def test_a_channel_the_producer_closed_in_its_handshake_is_tried_again(
+    producer, why, monkeypatch
+):
+    """A producer that closes the channel before the reader's proof came is
+    busy, not refusing: with its handshakes all taken (``MAX_PENDING``), or
+    after it gave up waiting for a reader slow to answer (as a worker's
+    thread starved at startup). The channel is tried again, and opens."""
+    holders = []
+    if why == "pending":
+        # Connections that say nothing hold every handshake for its timeout.
+        holders = [raw(producer.name) for _ in range(exporter_mod.MAX_PENDING)]
+        wait_until(lambda: producer.exporter._pending == exporter_mod.MAX_PENDING)
+    else:
+        # The producer waits 0.2 s for the proof; the reader's first one comes
+        # 0.5 s after the challenge.
+        monkeypatch.setattr(channel, "IO_TIMEOUT_S", 0.2)
+        proof, late = channel.proof, [True]
+
+        def slow_proof(secret, role, *args):
+            if role == "reader" and late:
+                late.clear()
+                time.sleep(0.5)
+            return proof(secret, role, *args)
+
+        monkeypatch.setattr(channel, "proof", slow_proof)
+    reads = Reader(retry_after_s=0.3, retry_max_s=1.0)
+    try:
+        before = same_host_stats().get("fallbacks_busy", 0)
+        assert not reads.offer(producer.name, producer.secret)
+        assert reads.retry_due(producer.name)
+        assert same_host_stats()["fallbacks_busy"] == before + 1
+        for s in holders:
+            s.close()
+        wait_until(lambda: reads.has_channel(producer.name))
+        assert not reads.retry_due(producer.name)
+        assert producer.exporter.num_peers == 1
+    finally:
+        for s in holders:
+            s.close()
+        reads.close()
 
 
 # Real processes started and killed: about 10 s a case.

@@ -174,7 +174,9 @@ class ChunkImporter:
             challenge, _ = channel.recv(sock, channel.CHALLENGE)
             if challenge is None:
                 raise SameHostUnavailable(
-                    Fallback.REFUSED, "the producer closed the channel at once"
+                    Fallback.BUSY,
+                    "the producer closed the channel at once (too many handshakes "
+                    "at once, or it gave up waiting for us)",
                 )
             if (challenge.boot_id, challenge.hostname) != identity:
                 raise SameHostUnavailable(
@@ -211,8 +213,9 @@ class ChunkImporter:
                 Fallback.TIMEOUT, f"the producer did not answer in time ({e})"
             ) from e
         except ConnectionError as e:
+            # It gave up waiting for us (a slow start), or left: not a refusal.
             raise SameHostUnavailable(
-                Fallback.REFUSED, f"the producer closed the channel ({e})"
+                Fallback.BUSY, f"the producer closed the channel in its handshake ({e})"
             ) from e
         except OSError as e:
             raise SameHostUnavailable(Fallback.SETUP, f"{where}: {e}") from e

@@ -59,6 +59,10 @@ from vllm.v1.kv_vmm.page_table import KVPageTable
 
 logger = init_logger(__name__)
 
+#: Why a channel did not open that a later try may mend (the producer was
+#: busy); any other reason stands until the next NIXL handshake.
+_RETRIED = frozenset((Fallback.TIMEOUT, Fallback.BUSY))
+
 # kv_connector_extra_config key: whether reads of a same-host peer's
 # VMM-backed KV go through the shared-memory path.
 SAME_HOST_KEY = "vmm_same_host"
@@ -240,11 +244,12 @@ class SameHostReads(LocalReads):
         address_of: the channel address of a producer agent (tests).
         identity: our ``(boot id, hostname)`` (tests).
         connect_timeout_s: how long opening a channel may take.
-        retry_after_s: a channel that timed out (a busy producer) is tried
-            again in the background this long after, then after twice as
-            long each time it times out again, up to ``retry_max_s``, until
-            it opens or the peer is disconnected; one refused for good (no
-            listener, another host or user, a failed proof) is not.
+        retry_after_s: a channel that timed out or that the producer closed
+            in its handshake (a busy producer, on either side) is tried again
+            in the background this long after, then after twice as long each
+            time it fails so again, up to ``retry_max_s``, until it opens or
+            the peer is disconnected; one refused for good (no listener,
+            another host or user, a failed proof) is not.
         retry_max_s: the longest wait between two tries of a channel.
         quiet_if_absent: a peer with no channel at all (it offers none, or
             is on another host) is logged at debug level only: a reader
@@ -328,7 +333,7 @@ class SameHostReads(LocalReads):
     def _unavailable_now(self, agent_name: str, error: SameHostUnavailable) -> None:
         with self._lock:
             self._unavailable[agent_name] = error
-            if error.reason == Fallback.TIMEOUT and not self._closed:
+            if error.reason in _RETRIED and not self._closed:
                 delay = self._retry_delay.get(agent_name, self.retry_after_s)
                 self._retry_delay[agent_name] = min(2 * delay, self.retry_max_s)
                 previous = self._timers.get(agent_name)
@@ -347,7 +352,7 @@ class SameHostReads(LocalReads):
         return importer is not None and importer.alive
 
     def _retry(self, agent_name: str, timer: threading.Timer) -> None:
-        """A timed-out channel's retry, in its timer's thread (nothing if the
+        """A busy producer's channel tried again, in its timer's thread (nothing if the
         peer was disconnected, another timer replaced this one, or we closed
         meanwhile)."""
         with self._lock:
@@ -357,7 +362,8 @@ class SameHostReads(LocalReads):
         self._connect(agent_name)
 
     def retry_due(self, agent_name: str | bytes) -> bool:
-        """Whether a channel that timed out will be tried again."""
+        """Whether a channel a busy producer did not open will be tried
+        again."""
         with self._lock:
             return os.fsdecode(agent_name) in self._timers
 

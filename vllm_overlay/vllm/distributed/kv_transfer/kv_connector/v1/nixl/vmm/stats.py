@@ -33,8 +33,8 @@ class Fallback(str, enum.Enum):
     TIMEOUT = "timeout"
     #: The peer runs on another kernel (boot id or hostname differ).
     OTHER_HOST = "other_host"
-    #: The other end closed the channel during its handshake, or a process
-    #: of another user is at it.
+    #: A process of another user is at the other end, or the producer
+    #: refused this reader's proof (or is closing).
     REFUSED = "refused"
     #: The other end could not prove it holds the handshake's secret.
     AUTH = "auth"
@@ -51,7 +51,9 @@ class Fallback(str, enum.Enum):
     NOT_SHARED = "not_shared"
     #: This process could not set the path up (no listener, no device).
     SETUP = "setup"
-    #: Too many channels in their handshake at once (the producer's side).
+    #: The producer was busy: too many channels in their handshake at once
+    #: (its side), or it closed the channel before the reader's proof came
+    #: (the reader's side: it gave up waiting); tried again later.
     BUSY = "busy"
 
 
