@@ -28,7 +28,7 @@ without a device ledger it acts as
 """
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -338,14 +338,15 @@ class FairSharePagedBlockPool(PagedBlockPool):
         if 0 <= now - self._waiting_noted_at < LEDGER_READ_INTERVAL_S:
             return
         self._waiting_noted_at = now
-        running = list(running)
-
-        def blocks(reqs: Iterable[Any]) -> int:
-            return sum(-(-r.num_tokens // block_size) * num_groups for r in reqs)
-
-        self._freeing_pages = self._freeing(running, blocks)
-        to_come = max(blocks(running) - self._blocks_in_use, 0)
-        need = to_come + blocks(itertools.islice(requests, max(max_requests, 0)))
+        self._take_step_time()
+        in_blocks, self._freeing_pages = self._running_blocks(
+            running, block_size, num_groups, self._fair.reclaim.preempt_delay_s
+        )
+        to_come = max(in_blocks - self._blocks_in_use, 0)
+        need = to_come + sum(
+            -(-r.num_tokens // block_size) * num_groups
+            for r in itertools.islice(requests, max(max_requests, 0))
+        )
         free = self.free_block_queue.num_free_blocks + self._inflight_blocks()
         self._waiting_blocks = need
         if need <= free:
@@ -360,30 +361,38 @@ class FairSharePagedBlockPool(PagedBlockPool):
             self._steps += 1
         self._step_at = now
 
-    def _freeing(
-        self, running: list[Any], blocks: Callable[[Iterable[Any]], int]
-    ) -> int | None:
-        """Pages of the ``running`` requests that finish within the
-        preemption delay: those whose tokens still to come (up to
-        ``max_tokens``; a request may stop sooner) take no longer at the
-        steps' mean time since the last look, one token a step. Their
-        blocks are counted as if they freed whole pages (on the side of
-        waiting). None while no step time is known, or for requests that do
-        not say their ``max_tokens``."""
+    def _take_step_time(self) -> None:
+        """The steps' mean time since the last look becomes the step time
+        (kept as it was where no step was timed since)."""
         if self._steps:
             self._step_s = self._step_time / self._steps
             self._step_time, self._steps = 0.0, 0
-        if self._step_s is None or self._fair is None:
-            return None
-        horizon = self._fair.reclaim.preempt_delay_s / max(self._step_s, 1e-6)
-        finishing = []
+
+    def _running_blocks(
+        self, running: Iterable[Any], block_size: int, num_groups: int, delay_s: float
+    ) -> tuple[int, int | None]:
+        """One pass over the ``running`` requests: the blocks their tokens
+        take, and the pages of those that finish within ``delay_s`` (the
+        preemption delay): whose tokens still to come (up to ``max_tokens``;
+        a request may stop sooner) take no longer at the step time, one
+        token a step. Their blocks are counted as if they freed whole pages
+        (on the side of waiting). None for those pages while no step time is
+        known, or if a request does not say its ``max_tokens``."""
+        horizon = None if self._step_s is None else delay_s / max(self._step_s, 1e-6)
+        total, finishing = 0, 0
         for r in running:
+            n = -(-r.num_tokens // block_size) * num_groups
+            total += n
+            if horizon is None:
+                continue
             max_tokens = getattr(r, "max_tokens", None)
             if max_tokens is None:
-                return None
-            if max_tokens - r.num_output_tokens <= horizon:
-                finishing.append(r)
-        return blocks(finishing) // self.policy.blocks_per_page
+                horizon = None
+            elif max_tokens - r.num_output_tokens <= horizon:
+                finishing += n
+        if horizon is None:
+            return total, None
+        return total, finishing // self.policy.blocks_per_page
 
     def admission_reserve_blocks(self) -> int:
         """Free blocks a waiting or preempted request may not take: those of
