@@ -33,8 +33,9 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  failed requests and preemptions; static split of the device (stock), VMM
                  KV shared through the device ledger first come first served and fairly,
                  and kvcached on the same vLLM where it is installed (else recorded as not
-                 installed); the modes interleaved per repetition (--stock-path: a stock
-                 vLLM for the static and kvcached runs); on CUDA the shared engines get
+                 installed); the modes interleaved per repetition, or one start per
+                 mode with --sharing-starts once (--stock-path: a stock vLLM for the
+                 static and kvcached runs); on CUDA the shared engines get
                  the KV capacity the first mode measured (the static split's KV memory by
                  default) as their ledger's capacity, so every mode holds the same KV memory
 
@@ -191,7 +192,8 @@ def sharing_arguments(args: argparse.Namespace, device: str, env: dict) -> dict:
             raise SystemExit(f"--sharing-modes names kvcached, but {why}; or leave it out of "
                              "--sharing-modes")
     return {"workloads": workloads, "repeats": args.sharing_repeats, "seed": args.sharing_seed,
-            "kv_capacity_bytes": capacity, "weights": args.sharing_weights}
+            "kv_capacity_bytes": capacity, "weights": args.sharing_weights,
+            "starts": args.sharing_starts}
 
 
 def main() -> None:
@@ -236,6 +238,11 @@ def main() -> None:
                    "fractions; default 0.75/0.25)")
     p.add_argument("--sharing-repeats", type=int, metavar="N",
                    help="item 7: repetitions per mode (default: 3; --quick and CPU: 1)")
+    p.add_argument("--sharing-starts", choices=("each", "once"), default="each",
+                   help="item 7: each = the engines start for every mode and repetition, "
+                   "the modes interleaved (default); once = one start per mode for all "
+                   "repetitions, first-come and fair switched on the same engines per "
+                   "repetition (a few starts instead of one per mode and repetition)")
     p.add_argument("--sharing-seed", type=int, default=0,
                    help="item 7: seed of the arrivals and prompts (default 0)")
     p.add_argument("--sharing-kv-capacity", metavar="BYTES",

@@ -12,6 +12,7 @@ lines of its log; the Runner keeps the list (bench.py exits non-zero after the r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -491,14 +492,78 @@ def aggregate_sharing(runs: list[dict]) -> dict:
                                            "weights", "backend")}
 
 
+@dataclasses.dataclass(frozen=True)
+class SharingInvocation:
+    """One bench_sharing.py process of item 7: ``mode``'s engines started once for
+    ``repeats`` repetitions from ``first_rep``; with ``policies``, the shared engines switch
+    between those share policies in each repetition, each policy one of ``modes``."""
+
+    mode: str
+    first_rep: int
+    repeats: int
+    policies: tuple[str, ...] = ()
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return self.policies or (self.mode,)
+
+    @property
+    def name(self) -> str:
+        """Of its JSON and log files."""
+        return f"{'+'.join(self.modes)}_{self.first_rep}"
+
+    @property
+    def reps(self) -> str:
+        """Its repetitions, counted from 1: ``1`` or ``1-3``."""
+        last = self.first_rep + self.repeats
+        return str(last) if self.repeats == 1 else f"{self.first_rep + 1}-{last}"
+
+    @property
+    def tag(self) -> str:
+        """Its modes and repetitions, e.g. ``fair 2`` or ``first-come+fair 1-3``."""
+        return f"{'+'.join(self.modes)} {self.reps}"
+
+
+def sharing_invocations(modes: list[str], repeats: int, starts: str) -> list[SharingInvocation]:
+    """Item 7's processes. ``each``: one per mode and repetition, the modes interleaved (as
+    given, reversed, ...), so drift hits each mode alike, at one start of N engines per
+    process. ``once``: one start per mode for all repetitions, first-come and fair on the
+    same engines (switched per repetition: interleaved pairs, bench_sharing.py --policies),
+    the modes in the order given: the device time of a few starts, for drift between the
+    modes' starts."""
+    if starts == "each":
+        return [SharingInvocation(mode, rep, 1)
+                for rep in range(repeats) for mode in sharing_order(modes, rep)]
+    pair = tuple(m for m in modes if m in ("first-come", "fair"))
+    out: list[SharingInvocation] = []
+    for mode in modes:
+        if len(pair) == 2 and mode in pair:
+            if mode == pair[0]:
+                out.append(SharingInvocation("fair", 0, repeats, pair))
+        else:
+            out.append(SharingInvocation(mode, 0, repeats))
+    return out
+
+
+def _runs_of(result: dict, mode: str, inv: SharingInvocation) -> dict:
+    """A bench_sharing.py result as ``mode``'s: of a process that switched policies, the
+    repetitions of that policy, and the one-engine-busy rounds (run at the start, under
+    the process's own mode) for that mode only."""
+    if not inv.policies:
+        return result
+    return result | {"mode": mode,
+                     "runs": [r for r in result["runs"] if r.get("policy") == mode],
+                     "single": result.get("single", []) if mode == inv.mode else []}
+
+
 def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path: str | None,
                  kvcached_env: list[str], modes_text: str | None = None,
                  options: dict | None = None) -> dict:
-    """scripts/bench/bench_sharing.py once per mode and repetition, the modes interleaved
-    (as given, reversed, ...): N engines on one device behind their own servers; static split
-    (stock), shared VMM KV (this series: first come first served and fair) and kvcached
-    where it is installed. ``options``: workloads, repeats, seed, kv_capacity_bytes,
-    weights (bench.py's --sharing-* options)."""
+    """scripts/bench/bench_sharing.py per :func:`sharing_invocations` (once per mode and
+    repetition, the modes interleaved, or one start per mode): N engines on one device
+    behind their own servers; static split (stock), shared VMM KV (this series: first come
+    first served and fair) and kvcached where it is installed. ``options``: workloads,
+    repeats, seed, kv_capacity_bytes, weights, starts (bench.py's --sharing-* options)."""
     from bench_sharing import SINGLE_REPEATS, kvcached_missing, parse_workloads
 
     opts = options or {}
@@ -526,57 +591,59 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
     if not modes:
         return result | {"not_measured": "no mode to run (kvcached not installed)"}
     check_sharing(modes, workloads, capacity)
-    # Each repetition gets at least its share of the one-engine-busy rounds.
-    single_rounds = -(-SINGLE_REPEATS // repeats)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     failed: dict[str, str] = {}
-    for rep in range(repeats):
-        for mode in sharing_order(modes, rep):
-            if mode in failed:
-                continue
-            if mode == "kvcached" and capacity is None and any(w["kind"] == "over"
+    for inv in sharing_invocations(modes, repeats, opts.get("starts", "each")):
+        if any(m in failed for m in inv.modes):
+            continue
+        if inv.mode == "kvcached" and capacity is None and any(w["kind"] == "over"
                                                                for w in workloads):
-                failed[mode] = ("no KV capacity measured before it (the modes before it "
+            failed[inv.mode] = ("no KV capacity measured before it (the modes before it "
                                 "failed): give --sharing-kv-capacity")
-                runner.failures.append(f"sharing: kvcached: {failed[mode]}")
-                continue
-            js = out / f"sharing_{mode}_{rep}.json"
-            log = runner.logs / f"sharing_{mode}_{rep}.log"
-            cmd = [sys.executable, str(SHARING_SCRIPT), "--mode", mode, "--model", model,
-                   "--engines", str(sharing["engines"]), "--device", device, "--repeats", "1",
-                   "--first-rep", str(rep), "--single-rounds", str(single_rounds),
-                   "--workloads", workloads_text, "--seed", str(seed), "--json", str(js),
-                   "--logs", str(runner.logs)]
-            if capacity:
-                cmd += ["--kv-capacity-bytes", str(capacity)]
-                if device == "cuda" and mode not in ("static", "kvcached"):
-                    # The same KV memory as the static split, not what the shared
-                    # engines would measure (bench_sharing.py: --shared-kv-bytes).
-                    cmd += ["--shared-kv-bytes", str(capacity)]
-            if opts.get("weights"):
-                cmd += ["--weights", opts["weights"]]
-            if stock_path and mode in ("static", "kvcached"):
-                cmd += ["--python-path", stock_path]
-            if mode == "kvcached":
-                cmd += [a for kv in kvcached_env for a in ("--env", kv)]
-            for key, value in sharing.get("set", {}).items():
-                cmd += ["--set", f"{key}={json.dumps(value)}"]
-            print(f"sharing: {mode}, repetition {rep + 1}/{repeats}, {sharing['engines']} "
-                  f"engines", flush=True)
-            r, why = runner.run_json(f"sharing: {mode} {rep + 1}", cmd, js, log,
-                                     sharing["timeout_s"])
-            if r is None:
-                failed[mode] = f"repetition {rep + 1}: {(why or 'no results')[:300]}"
-                continue
-            runs[mode].append(r)
-            result["order"].append(f"{mode} {rep + 1}")
-            result["workload"] = r["profile"]
-            if capacity is None and r.get("kv_capacity_bytes"):
-                capacity = r["kv_capacity_bytes"]
-                result["kv_capacity"] = {"bytes": capacity, "source": f"measured by the {mode} "
-                                         f"engines: {r['capacity_source']}"}
-            if r.get("kv_bytes_per_token"):
-                result["kv_bytes_per_token"] = r["kv_bytes_per_token"]
+            runner.failures.append(f"sharing: kvcached: {failed[inv.mode]}")
+            continue
+        js = out / f"sharing_{inv.name}.json"
+        log = runner.logs / f"sharing_{inv.name}.log"
+        # Each start gets its share of the one-engine-busy rounds.
+        single_rounds = -(-SINGLE_REPEATS // repeats) * inv.repeats
+        cmd = [sys.executable, str(SHARING_SCRIPT), "--mode", inv.mode, "--model", model,
+               "--engines", str(sharing["engines"]), "--device", device,
+               "--repeats", str(inv.repeats), "--first-rep", str(inv.first_rep),
+               "--single-rounds", str(single_rounds), "--workloads", workloads_text,
+               "--seed", str(seed), "--json", str(js), "--logs", str(runner.logs)]
+        if inv.policies:
+            cmd += ["--policies", ",".join(inv.policies)]
+        if capacity:
+            cmd += ["--kv-capacity-bytes", str(capacity)]
+            if device == "cuda" and inv.mode not in ("static", "kvcached"):
+                # The same KV memory as the static split, not what the shared
+                # engines would measure (bench_sharing.py: --shared-kv-bytes).
+                cmd += ["--shared-kv-bytes", str(capacity)]
+        if opts.get("weights"):
+            cmd += ["--weights", opts["weights"]]
+        if stock_path and inv.mode in ("static", "kvcached"):
+            cmd += ["--python-path", stock_path]
+        if inv.mode == "kvcached":
+            cmd += [a for kv in kvcached_env for a in ("--env", kv)]
+        for key, value in sharing.get("set", {}).items():
+            cmd += ["--set", f"{key}={json.dumps(value)}"]
+        print(f"sharing: {'+'.join(inv.modes)}, repetition {inv.reps}/{repeats}, "
+              f"{sharing['engines']} engines", flush=True)
+        r, why = runner.run_json(f"sharing: {inv.tag}", cmd, js, log, sharing["timeout_s"])
+        if r is None:
+            for m in inv.modes:
+                failed[m] = f"repetition {inv.reps}: {(why or 'no results')[:300]}"
+            continue
+        for m in inv.modes:
+            runs[m].append(_runs_of(r, m, inv))
+        result["order"].append(inv.tag)
+        result["workload"] = r["profile"]
+        if capacity is None and r.get("kv_capacity_bytes"):
+            capacity = r["kv_capacity_bytes"]
+            result["kv_capacity"] = {"bytes": capacity, "source": f"measured by the "
+                                     f"{inv.mode} engines: {r['capacity_source']}"}
+        if r.get("kv_bytes_per_token"):
+            result["kv_bytes_per_token"] = r["kv_bytes_per_token"]
     for mode in modes:
         if runs[mode]:
             result["modes"][mode] = aggregate_sharing(runs[mode])

@@ -424,10 +424,15 @@ class StandInSharing:
         if mode == self.fail:
             self.failures.append(f"{name}: exit status 1")
             return "exit status 1; log x: RuntimeError: boom"
-        ttft = {"static": 1000.0, "first-come": 400.0, "fair": 300.0}[mode]
+        ttft = {"static": 1000.0, "first-come": 400.0, "fair": 300.0}
         measured = 20 << 30 if "--kv-capacity-bytes" not in arg else None
-        Path(arg["--json"]).write_text(json.dumps(_invocation(mode, rep, ttft,
-                                                              capacity=measured)))
+        policies = arg.get("--policies", "").split(",") if "--policies" in arg else [None]
+        result = _invocation(mode, rep, ttft[mode], capacity=measured)
+        result["runs"] = [
+            run | ({"policy": policy} if policy else {})
+            for r in range(rep, rep + int(arg["--repeats"])) for policy in policies
+            for run in _invocation(mode, r, ttft[policy or mode])["runs"]]
+        Path(arg["--json"]).write_text(json.dumps(result))
         return None
 
     def run_json(self, name: str, cmd: list[str], js: Path, log: Path,
@@ -476,6 +481,48 @@ def test_the_item_interleaves_the_modes_and_passes_the_measured_capacity_on(tmp_
                                                                    "fair shared / static")
 
 
+def test_one_start_per_mode_switches_first_come_and_fair_on_the_same_engines(tmp_path,
+                                                                              monkeypatch):
+    """--sharing-starts once: one process per mode for every repetition, first-come and
+    fair in one process that switches the policy per repetition; each policy's
+    repetitions are its own figures, the one-engine-busy rounds the process's mode's."""
+    import bench_items
+    from bench_sharing import SINGLE_REPEATS
+
+    monkeypatch.setattr(bs, "kvcached_missing", lambda env: "not importable")
+    runner = StandInSharing(tmp_path)
+    r = bench_items.item_sharing(runner, _sharing_prof(), tmp_path, "cuda", None, [], None,
+                                 {"starts": "once"})
+    args = [{c[i]: c[i + 1] for i in range(2, len(c) - 1) if c[i].startswith("--")}
+            for c in runner.cmds]
+    assert [(a["--mode"], a["--first-rep"], a["--repeats"], a.get("--policies"))
+            for a in args] == [("static", "0", "3", None), ("fair", "0", "3", "first-come,fair")]
+    # As many one-engine-busy rounds per start as the interleaved runs have per mode.
+    assert all(a["--single-rounds"] == str(-(-SINGLE_REPEATS // 3) * 3) for a in args)
+    assert "--kv-capacity-bytes" not in args[0]
+    assert args[1]["--kv-capacity-bytes"] == args[1]["--shared-kv-bytes"] == str(20 << 30)
+    assert r["order"] == ["static 1-3", "first-come+fair 1-3"]
+    for mode, ttft in (("first-come", 400.0), ("fair", 300.0)):
+        over = r["modes"][mode]["workloads"]["over3"]
+        assert over["reps"] == [0, 1, 2], mode
+        assert over["ttft_mean_ms"]["median"] == 2 * ttft, mode
+    assert r["modes"]["fair"]["single_output_tok_s"] is not None
+    assert r["modes"]["first-come"]["single_output_tok_s"] is None
+    md = render_results({"items": {"sharing": r | {"run": RUN}}})
+    assert "| 0.750 [0.750..0.750], n=3 | < 1.0 | pass |" in _row(md, "over3",
+                                                                  "fair / first-come")
+    # Both policies' process failed: neither is measured, nothing else is lost.
+    (tmp_path / "again").mkdir()
+    runner = StandInSharing(tmp_path / "again", fail="fair")
+    r = bench_items.item_sharing(runner, _sharing_prof(), tmp_path, "cuda", None, [],
+                                 "fair,static,first-come", {"starts": "once"})
+    assert [c[c.index("--mode") + 1] for c in runner.cmds] == ["fair", "static"]
+    assert runner.failures == ["sharing: fair+first-come 1-3: exit status 1"]
+    for mode in ("fair", "first-come"):
+        assert r["modes"][mode]["not_measured"].startswith("repetition 1-3: exit status 1")
+    assert r["modes"]["static"]["repetitions"] == [0, 1, 2]
+
+
 def test_the_item_records_a_named_missing_kvcached_and_a_failed_mode(tmp_path, monkeypatch):
     import bench_items
 
@@ -502,7 +549,7 @@ def test_bench_checks_the_sharing_options_before_anything_runs(monkeypatch):
     def args(**kw) -> argparse.Namespace:
         base = {"sharing_modes": None, "sharing_workloads": None, "sharing_kv_capacity": None,
                 "sharing_repeats": None, "sharing_seed": 0, "sharing_weights": None,
-                "quick": False, "kvcached_env": [], "stock_path": None}
+                "sharing_starts": "each", "quick": False, "kvcached_env": [], "stock_path": None}
         return argparse.Namespace(**(base | kw))
 
     opts = bench.sharing_arguments(args(), "cuda", {})
