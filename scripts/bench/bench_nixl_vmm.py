@@ -33,7 +33,8 @@ Prints GB/s per mode (median over ``--iters`` reads after ``--warmup``), the
 vmm/stock ratio and each mode's fraction of the link, and for the NIXL modes
 where a read's time goes on the reader's thread (median ms of
 ``make_prepped_xfer``, of posting it with ``transfer`` and of polling until it is
-done); ``--json`` writes them. On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
+done) and the CPUs the reading thread ran on; ``--json`` writes them, and each read's
+phases and CPU in order (``phases_ms``, ``cpus``). On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
 picks cuda_ipc where it can)::
 
     python scripts/bench/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
@@ -228,7 +229,7 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     local = xfer.prep_xfer_dlist("NIXL_INIT_AGENT", xfer.get_xfer_descs(blocks, mem_type))
     remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
     rng = np.random.default_rng(0)
-    seconds, phases = [], []
+    seconds, phases, cpus = [], [], []
     profiler = cProfile.Profile() if args.profile else None
     for i in range(args.warmup + args.iters):
         local_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
@@ -242,6 +243,7 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
         if i >= args.warmup:
             seconds.append(done - start)
             phases.append((made - start, posted - made, done - posted))
+            cpus.append(current_cpu())
     if profiler is not None:
         profiler.disable()
     fault(f"nixl_vmm:{mode}:reader:read")
@@ -261,7 +263,18 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     _recv(conn, timeout, "word from the owner that the read is over")
     close()
     return _result(args.blocks_per_read * args.block_bytes, seconds, phases) | {
-        "same_host_reads": reads} | ({"profile": profile_rows(profiler)} if profiler else {})
+        "same_host_reads": reads, "cpus": cpus} | (
+        {"profile": profile_rows(profiler)} if profiler else {})
+
+
+def current_cpu(stat: Path = Path("/proc/thread-self/stat")) -> int | None:
+    """The CPU this thread last ran on (Linux: the 39th field of its stat), None where it
+    cannot be read: the host time of a read may depend on where its thread runs."""
+    try:
+        # The second field (the command) may hold spaces: count after its ")".
+        return int(stat.read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: Any,
@@ -458,6 +471,9 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
         if "phase_median_ms" in r:
             lines.append("         per read, median ms: " + ", ".join(
                 f"{name} {ms:.3f}" for name, ms in r["phase_median_ms"].items()))
+        if r.get("cpus"):
+            lines.append("         reader's CPUs: " + ", ".join(
+                str(c) for c in sorted({c for c in r["cpus"] if c is not None})))
         if "profile" in r:
             lines.append(f"         the reader's reads under cProfile:\n{r['profile']}")
     if "vmm" in results and "stock" in results:

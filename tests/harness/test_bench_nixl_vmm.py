@@ -118,3 +118,21 @@ def test_a_reads_time_is_split_into_its_phases_on_the_readers_thread():
     assert lines[1] == "         per read, median ms: make 2.000, post 2.000, wait 6.000"
     # The link's one copy has no phases.
     assert "phase_median_ms" not in bench_nixl_vmm._result(1000, [0.001])
+    # The CPUs the reading thread ran on, where they were read.
+    lines = bench_nixl_vmm.summary({"vmm": result | {"cpus": [5, None, 3, 5]}}, ["vmm"])
+    assert lines[2] == "         reader's CPUs: 3, 5"
+
+
+def test_the_cpu_a_thread_runs_on_is_read_from_its_stat(tmp_path):
+    cpu = bench_nixl_vmm.current_cpu()
+    if not Path("/proc/thread-self/stat").exists():
+        assert cpu is None
+    else:
+        assert cpu in os.sched_getaffinity(0)
+    # A command with spaces and parentheses; field 39 is the CPU.
+    stat = tmp_path / "stat"
+    stat.write_text("42 (a (b) c) S " + " ".join(str(i) for i in range(4, 39)) + " 7 0 0\n")
+    assert bench_nixl_vmm.current_cpu(stat) == 7
+    stat.write_text("42 (short) S 1 2\n")
+    assert bench_nixl_vmm.current_cpu(stat) is None
+    assert bench_nixl_vmm.current_cpu(tmp_path / "absent") is None
