@@ -34,8 +34,8 @@ vmm/stock ratio and each mode's fraction of the link, and for the NIXL modes
 where a read's time goes on the reader's thread (median ms of
 ``make_prepped_xfer``, of posting it with ``transfer`` and of polling until it is
 done) and the CPUs the reading thread ran on; ``--json`` writes them, and each read's
-phases and CPU in order (``phases_ms``, ``cpus``). On a GPU host with two GPUs (owner on cuda:1, reader on cuda:0; UCX
-picks cuda_ipc where it can)::
+phases and CPU in order (``phases_ms``, ``cpus``). On a GPU host with two GPUs (owner on
+cuda:1, reader on cuda:0; UCX picks cuda_ipc where it can)::
 
     python scripts/bench/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
 

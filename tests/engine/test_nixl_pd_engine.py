@@ -99,15 +99,15 @@ def _check_same_host(decode: dict, workdir: Path) -> None:
     came over it."""
     prompts = _prompts()
     same_host, why = node.same_host_reads(decode, workdir)
-    timeouts = same_host.get("fallbacks_timeout", 0) + same_host.get("fallbacks_busy", 0)
-    if not timeouts:
+    late = same_host.get("fallbacks_timeout", 0) + same_host.get("fallbacks_busy", 0)
+    if not late:
         full_blocks = sum(len(p) // BLOCK_SIZE for p in prompts)
         node.check_same_host_reads(decode, workdir, full_blocks * BLOCK_KV_BYTES)
         assert decode["nixl"][-1].get("vllm:nixl_num_same_host_fallbacks", 0) == 0
         return
-    warnings.warn(f"the same-host channel opened late ({timeouts} busy or timed out): {why}",
+    warnings.warn(f"the same-host channel opened late ({late} busy or timed out): {why}",
                   stacklevel=2)
-    assert same_host["fallbacks"] == timeouts, f"{same_host}\n{why}"
+    assert same_host["fallbacks"] == late, f"{same_host}\n{why}"
     assert same_host["channels"] >= 1 and same_host["failed"] == 0, f"{same_host}\n{why}"
     lo, hi = node.waves(len(prompts))[-1]
     second_wave = sum(len(p) // BLOCK_SIZE for p in prompts[lo:hi]) * BLOCK_KV_BYTES

@@ -170,6 +170,12 @@ class DeviceFairShare:
         )
 
 
+def _blocks_of(request: Any, block_size: int, num_groups: int) -> int:
+    """The blocks a request's tokens take in each of ``num_groups`` KV cache
+    groups of ``block_size`` tokens."""
+    return -(-request.num_tokens // block_size) * num_groups
+
+
 class FairSharePagedBlockPool(PagedBlockPool):
     """:class:`~vllm.v1.kv_vmm.scheduler.PagedBlockPool` that shares its
     devices fairly with the other engines of their ledgers while the share
@@ -344,7 +350,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         )
         to_come = max(in_blocks - self._blocks_in_use, 0)
         need = to_come + sum(
-            -(-r.num_tokens // block_size) * num_groups
+            _blocks_of(r, block_size, num_groups)
             for r in itertools.islice(requests, max(max_requests, 0))
         )
         free = self.free_block_queue.num_free_blocks + self._inflight_blocks()
@@ -381,7 +387,7 @@ class FairSharePagedBlockPool(PagedBlockPool):
         horizon = None if self._step_s is None else delay_s / max(self._step_s, 1e-6)
         total, finishing = 0, 0
         for r in running:
-            n = -(-r.num_tokens // block_size) * num_groups
+            n = _blocks_of(r, block_size, num_groups)
             total += n
             if horizon is None:
                 continue
