@@ -247,7 +247,8 @@ def main() -> None:
                    help="item 7: seed of the arrivals and prompts (default 0)")
     p.add_argument("--sharing-kv-capacity", metavar="BYTES",
                    help="item 7: the device's KV capacity that sizes the over-subscribed "
-                   "workloads, e.g. 20GiB (default: measured by the first mode's engines)")
+                   "workloads, e.g. 18GiB (default: measured by the first mode's engines, "
+                   "which on a GPU hold 18 GiB together: bench_sharing.py's kv_bytes)")
     p.add_argument("--sharing-weights", metavar="W0,W1,...",
                    help="item 7: --kv-cache-vmm-share-weight of each shared engine")
     args = p.parse_args()

@@ -402,9 +402,15 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
                  else "the default KV backend")
         split = (f"`kv_cache_memory_bytes` {w['share']}/N" if (run or {}).get("device") == "cpu"
                  else f"`--gpu-memory-utilization` {w['share']}/N")
+        ledger = ""
+        if (run or {}).get("device") != "cpu" and w.get("kv_bytes"):
+            gib = f"{w['kv_bytes'] / 2**30:g} GiB"
+            split += f", `--kv-cache-memory-bytes` {gib}/N"
+            ledger = f" and a ledger of {gib} (`--kv-cache-vmm-shared-bytes`)"
         text = (f"- {title}: stock = {stock}, the device split statically ({split}); shared "
-                "= every engine `--kv-cache-vmm-shared` with the whole share (first-come / "
-                "fair: `--kv-cache-vmm-share-policy`); peak: per repetition every engine gets "
+                f"= every engine `--kv-cache-vmm-shared` with the whole share{ledger} "
+                "(first-come / fair: `--kv-cache-vmm-share-policy`); peak: per repetition "
+                "every engine gets "
                 f"{w['background_rate']} req/s all along and in turn a peak of {w['peak_rate']} "
                 f"req/s for {w['peak_s']} s ({w['stagger_s']} s apart), {w['prompt_len']} "
                 f"tokens in / {w['output_len']} out")

@@ -8,11 +8,13 @@ of sharing the KV memory.
 Modes (``--mode``), the same model and engine settings otherwise:
 
   static      stock KV allocation, the device split statically: each engine gets
-              ``--gpu-memory-utilization share/N`` (CPU: ``kv_cache_memory_bytes`` total/N)
+              ``--gpu-memory-utilization share/N`` and ``--kv-cache-memory-bytes
+              kv_bytes/N`` (CPU: ``kv_cache_memory_bytes`` total/N)
   first-come  VMM KV shared through the device ledger, first come first served: every
               engine ``--kv-cache-memory-backend vmm --kv-cache-vmm-shared
-              --kv-cache-vmm-share-policy first-come`` with the whole share (CPU: the whole
-              KV budget as each engine's virtual size and as the ledger's capacity)
+              --kv-cache-vmm-share-policy first-come`` with the whole share and a ledger of
+              ``kv_bytes`` (CPU: the whole KV budget as each engine's virtual size and as
+              the ledger's capacity)
   fair        the same with ``--kv-cache-vmm-share-policy fair``
   shared      the same without a policy flag (the engine's default; for a build without it)
   kvcached    the external kvcached library on the same vLLM (``ENABLE_KVCACHED=true``,
@@ -21,10 +23,19 @@ Modes (``--mode``), the same model and engine settings otherwise:
 
 ``--weights W0,W1,...`` gives the shared engines ``--kv-cache-vmm-share-weight``.
 
-``--shared-kv-bytes N`` (CUDA, shared modes) gives the shared engines'
-ledger that capacity (``--kv-cache-vmm-shared-bytes``) instead of measuring it: give the KV
-memory a static split's engines got together (what ``--mode static`` measures), so both modes
-hold the same KV memory. Measured by the shared engines themselves, the capacity is smaller
+On a GPU the engines hold ``kv_bytes`` of KV memory together (the profile's value, 18 GiB:
+a little less than three 8B engines' static split gets of an 80 GB card at 0.9), whatever
+the card: on a larger card the share would leave more KV memory, an over-subscribed
+workload sized by it would then ask for more requests in the same peak windows, and the
+peaks would over-subscribe the device's compute rather than its KV memory (an H200's 77.5
+GiB made over1.5 744 peak requests of 1,280 tokens, and every mode's mean TTFT 8-10 s).
+``--set kv_bytes=null``: what the share leaves (measured, below). kvcached cannot be held
+to a total (its limits are per engine): it gets the share.
+
+``--shared-kv-bytes N`` (CUDA, shared modes) gives the shared engines' ledger that capacity
+(``--kv-cache-vmm-shared-bytes``) instead of ``kv_bytes`` or measuring it: give the KV memory
+a static split's engines got together (what ``--mode static`` measures), so both modes hold
+the same KV memory. Measured by the shared engines themselves, the capacity is smaller
 than a static split's on the same share: it counts every engine's CUDA context and what the
 driver holds, which each static engine's own profile leaves out. (On CPU the shared
 engines' capacity is the static split's total already.)
@@ -113,9 +124,10 @@ WORKLOAD_RE = re.compile(r"over(\d+(?:\.\d+)?)(?:@(\d+(?:\.\d+)?(?:/\d+(?:\.\d+)
 
 # Sizes per device. "share": the fraction of the device all engines together may use
 # (GPU), or their KV memory in bytes (CPU).
+# "kv_bytes" (GPU): the KV memory all engines hold together (None: what the share leaves).
 PROFILES: dict[str, dict] = {
     "cuda": {
-        "share": 0.9,
+        "share": 0.9, "kv_bytes": 18 << 30,
         "engine": {"max_model_len": 4096, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
                    "enforce_eager": True, "no_enable_prefix_caching": True},
         "prompt_len": 1024, "output_len": 256,
@@ -188,19 +200,25 @@ def parse_workloads(text: str) -> list[dict]:
 def mode_settings(mode: str, device: str, prof: dict, engines: int,
                   shared_kv_bytes: int | None = None) -> tuple[str | None, dict, dict]:
     """(--kv-cache-memory-backend or None, engine arguments, environment) of one engine;
-    ``shared_kv_bytes``: the shared modes' ledger capacity on CUDA (None: measured)."""
+    ``shared_kv_bytes``: the shared modes' ledger capacity on CUDA (None: the profile's
+    ``kv_bytes``, or measured by the engines where that is None too)."""
     share = prof["share"]
+    kv_bytes = prof.get("kv_bytes")
     if mode == "static":
         if device == "cuda":
-            return None, {"gpu_memory_utilization": round(share / engines, 4)}, {}
+            # The share still bounds each engine (vLLM's start-up check of free memory).
+            args = {"gpu_memory_utilization": round(share / engines, 4)}
+            return None, args | ({"kv_cache_memory_bytes": kv_bytes // engines}
+                                 if kv_bytes else {}), {}
         return None, {"kv_cache_memory_bytes": share // engines}, {}
     if mode in SHARED_MODES:
         args = {"kv_cache_vmm_shared": True, "kv_cache_vmm_shrink_delay": prof["shrink_delay_s"]}
         if SHARED_MODES[mode] is not None:
             args["kv_cache_vmm_share_policy"] = SHARED_MODES[mode]
         if device == "cuda":
-            if shared_kv_bytes is not None:
-                args["kv_cache_vmm_shared_bytes"] = shared_kv_bytes
+            ledger = shared_kv_bytes if shared_kv_bytes is not None else kv_bytes
+            if ledger:
+                args["kv_cache_vmm_shared_bytes"] = ledger
             return "vmm", args | {"gpu_memory_utilization": share}, {}
         return "vmm", args | {"kv_cache_memory_bytes": share,
                               "kv_cache_vmm_shared_bytes": share}, {}
@@ -600,6 +618,11 @@ def main() -> None:
             raise SystemExit(f"--set {key}: not a profile value ({', '.join(sorted(prof))}, "
                              "kv_bytes_per_token)")
         prof[key] = json.loads(value)
+    kv_bytes = prof.get("kv_bytes")
+    if kv_bytes is not None and (not isinstance(kv_bytes, int) or isinstance(kv_bytes, bool)
+                                 or kv_bytes < args.engines):
+        raise SystemExit(f"--set kv_bytes={json.dumps(kv_bytes)}: give the engines' KV memory "
+                         "together in bytes (an integer), or null for what the share leaves")
     workloads = parse_workloads(args.workloads)
     weights = parse_weights(args.weights, args.engines)
     policies = parse_policies(args.policies, args.mode)

@@ -44,16 +44,23 @@ def test_the_peaks_replay_from_the_seed_and_come_in_turn():
 
 
 def test_modes_split_or_share_the_device():
+    kv = PROF["kv_bytes"]
+    assert kv == 18 << 30
     backend, args, env = bs.mode_settings("static", "cuda", PROF, 3)
-    assert backend is None and args == {"gpu_memory_utilization": 0.3} and env == {}
+    assert backend is None and env == {}
+    assert args == {"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": kv // 3}
+    loose = PROF | {"kv_bytes": None}  # --set kv_bytes=null: what the share leaves
+    assert bs.mode_settings("static", "cuda", loose, 3)[1] == {"gpu_memory_utilization": 0.3}
     for mode, policy in (("first-come", "first-come"), ("fair", "fair"), ("shared", None)):
         backend, args, _ = bs.mode_settings(mode, "cuda", PROF, 3)
         assert backend == "vmm" and args["kv_cache_vmm_shared"]
         assert args.get("kv_cache_vmm_share_policy") == policy
         assert args["gpu_memory_utilization"] == PROF["share"]
-        assert "kv_cache_vmm_shared_bytes" not in args  # measured by the engines
+        assert args["kv_cache_vmm_shared_bytes"] == kv  # the same KV memory as the split
         _, args, _ = bs.mode_settings(mode, "cuda", PROF, 3, shared_kv_bytes=5 << 30)
         assert args["kv_cache_vmm_shared_bytes"] == 5 << 30
+        _, args, _ = bs.mode_settings(mode, "cuda", loose, 3)
+        assert "kv_cache_vmm_shared_bytes" not in args  # measured by the engines
     cpu = bs.PROFILES["cpu"]
     _, args, _ = bs.mode_settings("static", "cpu", cpu, 2)
     assert args == {"kv_cache_memory_bytes": cpu["share"] // 2}
@@ -379,6 +386,10 @@ def test_report_compares_fair_and_first_come_with_the_static_split_per_workload(
     assert "| >= 0.97 |" in _row(md, "one engine busy: output tokens/s")
     assert "not installed: kvcached is not importable" in _row(md, "kvcached")
     assert "KV capacity 20.00 GiB (measured by the static engines" in md
+    # The engines' KV memory, fixed on a GPU whatever the card, in the setup line.
+    assert ("split statically (`--gpu-memory-utilization` 0.9/N, `--kv-cache-memory-bytes` "
+            "18 GiB/N); shared = every engine `--kv-cache-vmm-shared` with the whole share "
+            "and a ledger of 18 GiB (`--kv-cache-vmm-shared-bytes`)") in md
     assert "seed 5, modes in the order static 1, fair 1" in md
     # Per repetition: failed requests and preemptions of every mode, per engine TTFT.
     detail = next(line for line in md.splitlines() if line.startswith("- 7") and "over3, per "
@@ -596,6 +607,8 @@ def test_kvcached_is_looked_for_on_the_servers_python_path(tmp_path):
     (["--workloads", "over"], "workload 'over'"),
     (["--weights", "1,0,1"], "--weights '1,0,1': give 3 positive numbers"),
     (["--set", "bogus=1"], "--set bogus: not a profile value"),
+    (["--set", "kv_bytes=1.5"], "--set kv_bytes=1.5: give the engines' KV memory"),
+    (["--set", "kv_bytes=0"], "--set kv_bytes=0: give the engines' KV memory"),
     (["--policies", "fair,fifo"], "--policies 'fair,fifo': give each of first-come, fair"),
     (["--policies", "fair,fair"], "--policies 'fair,fair'"),
     (["--shared-kv-bytes", "0"], "--shared-kv-bytes 0: give a positive size"),
