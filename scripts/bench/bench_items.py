@@ -564,7 +564,8 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
     behind their own servers; static split (stock), shared VMM KV (this series: first come
     first served and fair) and kvcached where it is installed. ``options``: workloads,
     repeats, seed, kv_capacity_bytes, weights, starts (bench.py's --sharing-* options)."""
-    from bench_sharing import SINGLE_REPEATS, kvcached_missing, parse_workloads
+    from bench_sharing import (SINGLE_REPEATS, kvcached_missing, kvcached_utilization,
+                               parse_workloads)
 
     opts = options or {}
     modes = sharing_modes(modes_text, device)
@@ -593,6 +594,7 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
     check_sharing(modes, workloads, capacity)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     failed: dict[str, str] = {}
+    static: dict | None = None  # the latest static run's result
     for inv in sharing_invocations(modes, repeats, opts.get("starts", "each")):
         if any(m in failed for m in inv.modes):
             continue
@@ -624,6 +626,12 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
         if stock_path and inv.mode in ("static", "kvcached"):
             cmd += ["--python-path", stock_path]
         if inv.mode == "kvcached":
+            # Held to the static split's KV memory where a static run measured its use
+            # (an --kvcached-env of the same key, after it, wins).
+            util = kvcached_utilization(static) if static else None
+            if util:
+                cmd += ["--env", f"KVCACHED_GPU_UTILIZATION={util[0]}"]
+                result["kvcached_utilization"] = {"value": util[0], "source": util[1]}
             cmd += [a for kv in kvcached_env for a in ("--env", kv)]
         for key, value in sharing.get("set", {}).items():
             cmd += ["--set", f"{key}={json.dumps(value)}"]
@@ -636,6 +644,8 @@ def item_sharing(runner: Runner, prof: dict, out: Path, device: str, stock_path:
             continue
         for m in inv.modes:
             runs[m].append(_runs_of(r, m, inv))
+        if inv.mode == "static":
+            static = r
         result["order"].append(inv.tag)
         result["workload"] = r["profile"]
         if capacity is None and r.get("kv_capacity_bytes"):

@@ -423,6 +423,10 @@ def render_sharing(data: dict, name: str, row, details: list[str], title: str) -
                      f"{data.get('kv_bytes_per_token')} bytes per token)")
         if data.get("weights"):
             text += f"; share weights {data['weights']}"
+        kvc_util = data.get("kvcached_utilization")
+        if kvc_util:
+            text += (f"; kvcached `KVCACHED_GPU_UTILIZATION={kvc_util['value']}` "
+                     f"({kvc_util['source']})")
         if "seed" in data:
             text += f"; seed {data['seed']}, modes in the order {', '.join(data['order'])}"
         details.append(text + f"; one engine busy: {w['single_num']} x {w['single_prompt_len']}"

@@ -29,8 +29,12 @@ the card: on a larger card the share would leave more KV memory, an over-subscri
 workload sized by it would then ask for more requests in the same peak windows, and the
 peaks would over-subscribe the device's compute rather than its KV memory (an H200's 77.5
 GiB made over1.5 744 peak requests of 1,280 tokens, and every mode's mean TTFT 8-10 s).
-``--set kv_bytes=null``: what the share leaves (measured, below). kvcached cannot be held
-to a total (its limits are per engine): it gets the share.
+``--set kv_bytes=null``: what the share leaves (measured, below). kvcached has no such
+setting (it maps pages while the device has more than (1 - KVCACHED_GPU_UTILIZATION) of its
+memory free): bench.py gives its servers ``--env KVCACHED_GPU_UTILIZATION=U``, U what the
+static split's engines used of the device (their KV memory, weights, activations and
+contexts: ``device_memory`` in the static run's JSON), so that it maps about the same KV
+memory; without a static run before it, it gets the share.
 
 ``--shared-kv-bytes N`` (CUDA, shared modes) gives the shared engines' ledger that capacity
 (``--kv-cache-vmm-shared-bytes``) instead of ``kv_bytes`` or measuring it: give the KV memory
@@ -245,6 +249,37 @@ def kvcached_missing(env: dict, timeout: float = 120) -> str | None:
     return ("the kvcached package is not importable by the servers' Python"
             + (f" ({proc.stderr.strip().splitlines()[-1]})" if proc.stderr.strip() else "")
             + ": install it (or put it on PYTHONPATH, e.g. with --stock-path)")
+
+
+def device_memory(env: dict, timeout: float = 30) -> dict | None:
+    """Memory used and total of the servers' GPU in bytes (nvidia-smi; the first device of
+    ``env``'s CUDA_VISIBLE_DEVICES, else device 0), or None where nvidia-smi does not
+    answer. No CUDA context of ours: the figure is the engines' alone."""
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    cmd = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
+           "-i", visible or "0"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
+        used, total = (int(v) << 20 for v in out.stdout.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return {"used_bytes": used, "total_bytes": total}
+
+
+def kvcached_utilization(static: dict) -> tuple[float, str] | None:
+    """``KVCACHED_GPU_UTILIZATION`` that holds kvcached's engines to the KV memory a static
+    split's engines held (``static``: a static run's result with ``kv_bytes`` in its
+    profile), and why; None without such a run. kvcached maps pages while the device's free
+    memory stays above (1 - utilization) of it, so the static engines' whole use (weights,
+    activations and contexts, about the same in kvcached's engines, plus their KV) leaves it
+    about their KV memory."""
+    mem = static.get("device_memory")
+    if static.get("mode") != "static" or not (static.get("profile") or {}).get("kv_bytes") \
+            or not mem or not 0 < mem["used_bytes"] < mem["total_bytes"]:
+        return None
+    util = math.ceil(mem["used_bytes"] / mem["total_bytes"] * 1e4) / 1e4
+    return util, (f"the static split's engines used {mem['used_bytes'] / 2**30:.2f} of "
+                  f"{mem['total_bytes'] / 2**30:.2f} GiB")
 
 
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -692,6 +727,8 @@ def main() -> None:
         if failed["failed"]:
             raise SystemExit(f"{args.mode}: warm-up: {failed['failed']} of {failed['requests']} "
                              f"requests failed, first: {failed['first_error']}")
+        if args.device == "cuda":
+            result["device_memory"] = device_memory({**base_env, **mode_env})
         if result["kv_capacity_bytes"] is None and any(w["kind"] == "over" for w in workloads):
             result["kv_capacity_bytes"], result["capacity_source"] = measure_capacity(
                 args.mode, servers, bytes_per_token)

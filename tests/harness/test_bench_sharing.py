@@ -435,10 +435,12 @@ class StandInSharing:
         if mode == self.fail:
             self.failures.append(f"{name}: exit status 1")
             return "exit status 1; log x: RuntimeError: boom"
-        ttft = {"static": 1000.0, "first-come": 400.0, "fair": 300.0}
+        ttft = {"static": 1000.0, "first-come": 400.0, "fair": 300.0, "kvcached": 500.0}
         measured = 20 << 30 if "--kv-capacity-bytes" not in arg else None
         policies = arg.get("--policies", "").split(",") if "--policies" in arg else [None]
         result = _invocation(mode, rep, ttft[mode], capacity=measured)
+        if mode == "static":  # what nvidia-smi said once its engines were up
+            result["device_memory"] = {"used_bytes": 72 << 30, "total_bytes": 80 << 30}
         result["runs"] = [
             run | ({"policy": policy} if policy else {})
             for r in range(rep, rep + int(arg["--repeats"])) for policy in policies
@@ -548,6 +550,62 @@ def test_the_item_records_a_named_missing_kvcached_and_a_failed_mode(tmp_path, m
     assert r["modes"]["first-come"]["not_measured"].startswith("repetition 1: exit status 1")
     assert len([c for c in runner.cmds if "first-come" in c]) == 1
     assert r["modes"]["fair"]["repetitions"] == [0, 1]
+
+
+def test_kvcached_is_held_to_the_memory_the_static_split_used(tmp_path, monkeypatch):
+    """kvcached maps while the device has more than (1 - utilization) free: its servers
+    get the fraction of the device the static engines used (KV memory included), in every
+    repetition once a static run has measured it (here the second repetition's kvcached
+    runs first), before the user's own --kvcached-env (which wins where it names it)."""
+    import bench_items
+
+    monkeypatch.setattr(bs, "kvcached_missing", lambda env: None)
+    runner = StandInSharing(tmp_path)
+    r = bench_items.item_sharing(runner, _sharing_prof(2), tmp_path, "cuda", None,
+                                 ["LD_PRELOAD=x.so"], "static,kvcached", {})
+    kvc = [c for c in runner.cmds if c[c.index("--mode") + 1] == "kvcached"]
+    assert len(kvc) == 2
+    for cmd in kvc:
+        envs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--env"]
+        assert envs == ["KVCACHED_GPU_UTILIZATION=0.9", "LD_PRELOAD=x.so"]
+    assert r["kvcached_utilization"] == {
+        "value": 0.9, "source": "the static split's engines used 72.00 of 80.00 GiB"}
+    md = render_results({"items": {"sharing": r | {"run": RUN}}})
+    assert ("kvcached `KVCACHED_GPU_UTILIZATION=0.9` (the static split's engines used 72.00 "
+            "of 80.00 GiB)") in md
+    # Not without the static engines' fixed KV memory, their use, or a static run.
+    static = {"mode": "static", "profile": {"kv_bytes": 18 << 30},
+              "device_memory": {"used_bytes": 1000, "total_bytes": 3000}}
+    assert bs.kvcached_utilization(static)[0] == 0.3334  # rounded up
+    assert bs.kvcached_utilization(static | {"profile": {"kv_bytes": None}}) is None
+    assert bs.kvcached_utilization(static | {"device_memory": None}) is None
+    assert bs.kvcached_utilization(static | {"mode": "fair"}) is None
+    assert bs.kvcached_utilization(
+        static | {"device_memory": {"used_bytes": 0, "total_bytes": 3000}}) is None
+
+
+def test_the_device_memory_comes_from_nvidia_smi_of_the_servers_gpu(tmp_path, monkeypatch):
+    """nvidia-smi cannot run here: a stand-in on PATH answers as it does (MiB, CSV) and
+    records its arguments; its failure or garbage gives None, not an error."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    args_file, answer, status = tmp_path / "args", tmp_path / "answer", tmp_path / "status"
+    smi.write_text(f'#!/bin/sh\necho "$@" > {args_file}\ncat {answer}\nexit $(cat {status})\n')
+    smi.chmod(0o755)
+    answer.write_text("73728, 81559\n")
+    status.write_text("0")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    got = bs.device_memory({"CUDA_VISIBLE_DEVICES": "GPU-abc,1"})
+    assert got == {"used_bytes": 73728 << 20, "total_bytes": 81559 << 20}
+    assert args_file.read_text().split()[-2:] == ["-i", "GPU-abc"]
+    assert bs.device_memory({}) is not None
+    assert args_file.read_text().split()[-2:] == ["-i", "0"]
+    answer.write_text("[N/A], [N/A]\n")
+    assert bs.device_memory({}) is None
+    answer.write_text("1, 2\n")
+    status.write_text("9")
+    assert bs.device_memory({}) is None
 
 
 def test_bench_checks_the_sharing_options_before_anything_runs(monkeypatch):
