@@ -49,6 +49,11 @@ On the host (DRAM over UCX loopback)::
 
     UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo python scripts/bench/bench_nixl_vmm.py --kind host
 
+``--cpus 0-7`` (or ``--cpus gpu``: the CPUs next to the reader's GPU, as numactl or vLLM's
+``--numa-bind`` place a decode worker) pins the reader and the link's copy: a read's host
+work (make, post) differed 2x between processes of one host (docs/BENCHMARKS.md, the
+twenty-first runs), and this puts it on chosen CPUs in every mode alike.
+
 Run with the patched vLLM tree on PYTHONPATH, or where vLLM is not installed
 (it then imports the package from ``vllm_overlay/``).
 
@@ -277,6 +282,61 @@ def current_cpu(stat: Path = Path("/proc/thread-self/stat")) -> int | None:
         return None
 
 
+def parse_cpus(text: str) -> set[int]:
+    """CPUs in Linux's list syntax (``0-3,8``, as ``numactl --physcpubind`` and sysfs's
+    ``local_cpulist`` write them)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        first, sep, last = part.strip().partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{text!r}: give CPUs as a list like 0-3,8")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if hi < lo:
+            raise ValueError(f"{text!r}: the range {part.strip()} runs backwards")
+        cpus.update(range(lo, hi + 1))
+    return cpus
+
+
+def gpu_local_cpus(device: int, devices: Path = Path("/sys/bus/pci/devices")) -> set[int]:
+    """The CPUs next to CUDA device ``device`` (the PCI device's ``local_cpulist``: its
+    NUMA node's), what vLLM's ``--numa-bind`` gives a worker of that GPU."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    try:
+        address = (f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"
+                   f"{props.pci_device_id:02x}.0")
+    except AttributeError:
+        raise SystemExit("--cpus gpu: this torch does not give the GPU's PCI address; give "
+                         "the CPUs (nvidia-smi topo -m: the GPU's CPU affinity)") from None
+    path = devices / address / "local_cpulist"
+    try:
+        return parse_cpus(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--cpus gpu: no CPU list for cuda:{device} ({e}); give the CPUs "
+                         "(nvidia-smi topo -m: the GPU's CPU affinity)") from None
+
+
+def pin(cpus: str | None, device: int) -> list[int] | None:
+    """This process on ``cpus`` (a CPU list, or ``gpu``: those next to CUDA device
+    ``device``); the CPUs it may run on after, None where nothing was asked."""
+    if not cpus:
+        return None
+    os.sched_setaffinity(0, gpu_local_cpus(device) if cpus == "gpu" else parse_cpus(cpus))
+    return sorted(os.sched_getaffinity(0))
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """``cpus`` (sorted) in list syntax: 0-3,8."""
+    parts: list[str] = []
+    for cpu in cpus:
+        if parts and cpu == int(parts[-1].rsplit("-", 1)[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)
+
+
 def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: Any,
                **kwargs: Any) -> tuple[Any, str, tuple[float, float, float, float]]:
     """One READ of ``remote_ids`` into ``local_ids`` through a NIXL agent (or the series'
@@ -360,7 +420,11 @@ def _child(mode: str, role: str, args: argparse.Namespace, peer: Connection | No
     os.close(fd)
     try:
         fault(f"nixl_vmm:{mode}:{role}")
+        # The timed side only (the reader, or the link's copy), next to the reader's GPU.
+        affinity = pin(args.cpus, 0) if role in ("reader", "link") else None
         result = _link(args) if role == "link" else _side(role, args, mode, peer)
+        if result is not None and affinity is not None:
+            result["affinity"] = affinity
     except BaseException:  # SystemExit included: its message is the error
         traceback.print_exc()
         sys.stderr.flush()
@@ -474,6 +538,8 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
         if r.get("cpus"):
             lines.append("         reader's CPUs: " + ", ".join(
                 str(c) for c in sorted({c for c in r["cpus"] if c is not None})))
+        if r.get("affinity"):
+            lines.append(f"         pinned to CPUs {_cpu_list(r['affinity'])} (--cpus)")
         if "profile" in r:
             lines.append(f"         the reader's reads under cProfile:\n{r['profile']}")
     if "vmm" in results and "stock" in results:
@@ -501,6 +567,11 @@ def main() -> None:
     parser.add_argument("--child-timeout-s", type=float, default=600,
                         help="seconds a mode's processes may take, start to result; a mode "
                         "not done by then ends the run (default 600)")
+    parser.add_argument("--cpus", metavar="LIST|gpu",
+                        help="the reader's (and the link copy's) CPUs, e.g. 0-7, or gpu: those "
+                        "next to the reader's GPU (its PCI device's local_cpulist), as "
+                        "numactl or vLLM's --numa-bind place a decode worker (default: "
+                        "wherever the kernel runs them)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", action="store_true",
                         help="the reader's timed reads of each mode under cProfile: its rows "
@@ -517,6 +588,15 @@ def main() -> None:
                      f"{args.num_blocks}: a read takes distinct blocks")
     if args.child_timeout_s <= 0:
         parser.error("--child-timeout-s must be positive")
+    if args.cpus == "gpu" and args.kind != "cuda":
+        parser.error("--cpus gpu needs --kind cuda (the CPUs next to the reader's GPU)")
+    if args.cpus and args.cpus != "gpu":
+        try:
+            if missing := parse_cpus(args.cpus) - os.sched_getaffinity(0):
+                parser.error(f"--cpus {args.cpus}: CPU(s) {sorted(missing)} are not ours "
+                             f"to run on ({len(os.sched_getaffinity(0))} are)")
+        except ValueError as e:
+            parser.error(f"--cpus {e}")
     if args.kind == "cuda":
         import torch
 

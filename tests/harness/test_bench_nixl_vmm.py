@@ -136,3 +136,50 @@ def test_the_cpu_a_thread_runs_on_is_read_from_its_stat(tmp_path):
     stat.write_text("42 (short) S 1 2\n")
     assert bench_nixl_vmm.current_cpu(stat) is None
     assert bench_nixl_vmm.current_cpu(tmp_path / "absent") is None
+
+
+def test_cpu_lists_are_read_as_linux_writes_them(tmp_path, monkeypatch):
+    assert bench_nixl_vmm.parse_cpus("0-3,8, 10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert bench_nixl_vmm.parse_cpus("5") == {5}
+    for bad in ("", "a-3", "3-", "4-2", "1,,2"):
+        with pytest.raises(ValueError):
+            bench_nixl_vmm.parse_cpus(bad)
+    assert bench_nixl_vmm._cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    # The CPUs next to a GPU: its PCI device's local_cpulist (a stand-in for torch's
+    # device properties and sysfs, which need a GPU).
+    import types
+
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x19, pci_device_id=0)
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_device_properties=lambda device: props))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    (tmp_path / "0000:19:00.0").mkdir()
+    (tmp_path / "0000:19:00.0" / "local_cpulist").write_text("0-7,64-71\n")
+    assert bench_nixl_vmm.gpu_local_cpus(0, tmp_path) == set(range(8)) | set(range(64, 72))
+    props.pci_bus_id = 0x1A
+    with pytest.raises(SystemExit, match="--cpus gpu: no CPU list for cuda:0"):
+        bench_nixl_vmm.gpu_local_cpus(0, tmp_path)
+    del props.pci_bus_id
+    with pytest.raises(SystemExit, match="does not give the GPU's PCI address"):
+        bench_nixl_vmm.gpu_local_cpus(0, tmp_path)
+
+
+def test_the_timed_process_runs_on_the_cpus_asked_for(tmp_path):
+    """A real run of the link mode (no NIXL needed) pinned to one CPU of ours: the result
+    says where it was pinned; CPUs that are not ours, or a bad list, stop the run before
+    any process starts."""
+    cpu = max(os.sched_getaffinity(0))
+    out = tmp_path / "nixl.json"
+    done = run_in_own_session([sys.executable, str(SCRIPT), *SMALL, "--modes", "link",
+                               "--cpus", str(cpu), "--json", str(out)],
+                              env=dict(os.environ), timeout=60, what="bench_nixl_vmm.py")
+    assert done.returncode == 0, done.stdout
+    assert json.loads(out.read_text())["link"]["affinity"] == [cpu]
+    assert f"pinned to CPUs {cpu} (--cpus)" in done.stdout
+    for bad, message in ((str(cpu + 4096), f"CPU(s) [{cpu + 4096}] are not ours"),
+                         ("x", "give CPUs as a list like 0-3,8"),
+                         ("gpu", "--cpus gpu needs --kind cuda")):
+        done = run_in_own_session([sys.executable, str(SCRIPT), *SMALL, "--modes", "link",
+                                   "--cpus", bad], env=dict(os.environ), timeout=60,
+                                  what="bench_nixl_vmm.py")
+        assert done.returncode == 2 and message in done.stdout, done.stdout
