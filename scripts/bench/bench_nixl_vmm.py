@@ -328,13 +328,13 @@ def pin(cpus: str | None, device: int) -> list[int] | None:
 
 def _cpu_list(cpus: list[int]) -> str:
     """``cpus`` (sorted) in list syntax: 0-3,8."""
-    parts: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for cpu in cpus:
-        if parts and cpu == int(parts[-1].rsplit("-", 1)[-1]) + 1:
-            parts[-1] = f"{parts[-1].split('-')[0]}-{cpu}"
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
         else:
-            parts.append(str(cpu))
-    return ",".join(parts)
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: Any,
@@ -591,10 +591,11 @@ def main() -> None:
     if args.cpus == "gpu" and args.kind != "cuda":
         parser.error("--cpus gpu needs --kind cuda (the CPUs next to the reader's GPU)")
     if args.cpus and args.cpus != "gpu":
+        ours = os.sched_getaffinity(0)
         try:
-            if missing := parse_cpus(args.cpus) - os.sched_getaffinity(0):
+            if missing := parse_cpus(args.cpus) - ours:
                 parser.error(f"--cpus {args.cpus}: CPU(s) {sorted(missing)} are not ours "
-                             f"to run on ({len(os.sched_getaffinity(0))} are)")
+                             f"to run on ({len(ours)} are)")
         except ValueError as e:
             parser.error(f"--cpus {e}")
     if args.kind == "cuda":
