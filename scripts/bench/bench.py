@@ -24,7 +24,8 @@ Items (``--items``, comma-separated names or numbers; default: all):
                  through scripts/bench/bench_vmm.py
   5 pd           P/D over NIXL, VMM vs stock KV: transfer throughput (bench_nixl_vmm.py:
                  VMM KV over the same-host path and through UCX alone, and the link);
-                 end-to-end TTFT through a prefill and a decode server (bench_pd.py)
+                 end-to-end TTFT through a prefill and a decode server (bench_pd.py);
+                 --pd-reader-cpus gpu places the transfer's reader next to its GPU
   6 tp2-startup  TP=2 server start to /health 200, VMM vs stock
   7 sharing      N engines on one device behind their own OpenAI servers, peaks at
                  different times (scripts/bench/bench_sharing.py): today's peaks and
@@ -79,7 +80,7 @@ from bench_items import (  # noqa: E402
     item_pagemap, item_pd, item_sharing, item_tp2_startup, kvcached_server_env, parse_bytes,
     sharing_modes,
 )
-from bench_proc import exit_on_signals  # noqa: E402
+from bench_proc import exit_on_signals, parse_cpus  # noqa: E402
 from bench_report import merge_item, render_results  # noqa: E402
 
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup", "sharing"]
@@ -158,6 +159,20 @@ def host_info(probe: dict) -> dict:
     return info
 
 
+def check_reader_cpus(text: str) -> None:
+    """--pd-reader-cpus stops the suite before anything runs unless it is gpu or a list of
+    CPUs this process may run on."""
+    if text == "gpu":
+        return
+    try:
+        missing = parse_cpus(text) - os.sched_getaffinity(0)
+    except ValueError as e:
+        raise SystemExit(f"--pd-reader-cpus {e}, or gpu") from None
+    if missing:
+        raise SystemExit(f"--pd-reader-cpus {text}: CPU(s) {sorted(missing)} are not ours to "
+                         f"run on (ours: {len(os.sched_getaffinity(0))})")
+
+
 def parse_items(text: str) -> list[str]:
     chosen = []
     for word in text.split(","):
@@ -218,6 +233,10 @@ def main() -> None:
     p.add_argument("--elastic-model", metavar="NAME",
                    help="model of the elasticity item (default: the profile's, "
                    "Llama-3.1-8B-Instruct on CUDA)")
+    p.add_argument("--pd-reader-cpus", metavar="LIST|gpu",
+                   help="item 5: the transfer reader's (and the link copy's) CPUs, e.g. 0-7, "
+                   "or gpu: those next to the reader's GPU, as numactl or vLLM's --numa-bind "
+                   "place a decode worker (default: wherever the kernel runs them)")
     p.add_argument("--serve-tp", type=int, default=2,
                    help="tensor-parallel size of the server start item (default 2)")
     p.add_argument("--stock-path", metavar="PATH",
@@ -252,6 +271,8 @@ def main() -> None:
     p.add_argument("--sharing-weights", metavar="W0,W1,...",
                    help="item 7: --kv-cache-vmm-share-weight of each shared engine")
     args = p.parse_args()
+    if args.pd_reader_cpus:
+        check_reader_cpus(args.pd_reader_cpus)
     exit_on_signals()  # SIGTERM: the running process is killed, the results written
     items = parse_items(args.items)
     budget = Budget(args.budget_s)
@@ -278,6 +299,8 @@ def main() -> None:
         prof["vmm_args"] = json.loads(args.vmm_args)
     if args.elastic_model:
         prof["elastic"]["model"] = args.elastic_model
+    if args.pd_reader_cpus:
+        prof["reader_cpus"] = args.pd_reader_cpus
     info = host_info(probe) | {"device": device, "quick": args.quick,
                                "budget_s": args.budget_s}
     print(f"vLLM {info['vllm'] or '(none)'}, {info.get('gpu') or 'CPU'}, "

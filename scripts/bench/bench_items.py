@@ -292,22 +292,32 @@ def item_pd(runner: Runner, prof: dict, out: Path, gpus: int, budget: Budget) ->
     # same-host path; also through NIXL/UCX alone, the path between hosts), and one copy of
     # the same bytes over the link. Each invocation measures every mode; `repeats`
     # invocations give the spread.
+    # With `reader_cpus` the reader (and the link's copy) run on those CPUs, or with "gpu" on
+    # the CPUs next to the reader's GPU, as numactl or vLLM's --numa-bind place a decode
+    # worker; without, wherever the kernel runs them.
+    cpus = prof.get("reader_cpus")
+    pinning = ["--cpus", cpus] if cpus else []
     stock: list[float] = []
     vmm: list[float] = []
     extra: dict[str, list[float]] = {"vmm_ucx": [], "link": []}
+    affinity: list[int] | None = None
     for i in range(prof["repeats"]):
         js = out / f"nixl_transfer_{i}.json"
         log = runner.logs / f"nixl_transfer_{i}.log"
         print(f"pd: NIXL transfer {i + 1}/{prof['repeats']}", flush=True)
         r, why = runner.run_json(f"pd: NIXL transfer {i + 1}", [
-            sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", "--json", str(js)], js, log, 900)
+            sys.executable, str(NIXL_SCRIPT), "--kind", "cuda", *pinning, "--json", str(js)],
+            js, log, 900)
         if r is None:
             return {"not_measured": f"{NIXL_SCRIPT.name}: {why or 'no results'}"}
         stock.append(r["stock"]["gb_per_s"])
         vmm.append(r["vmm"]["gb_per_s"])
         for mode, values in extra.items():
             values.append(r[mode]["gb_per_s"])
+        affinity = r["vmm"].get("affinity", affinity)
     result: dict = {"transfer_gbps": summarize(stock, vmm)}
+    if cpus:
+        result["reader_cpus"] = {"asked": cpus, "cpus": affinity}
     result["transfer_gbps"] |= {mode: spread(values) for mode, values in extra.items()}
     # Each mode as a fraction of the link, per invocation.
     result["transfer_gbps"]["of_link"] = {

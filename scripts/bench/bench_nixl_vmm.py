@@ -82,7 +82,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proc import describe_exit, die_with_parent, exit_on_signals, fault, tail  # noqa: E402
+from bench_proc import (  # noqa: E402
+    cpu_list, describe_exit, die_with_parent, exit_on_signals, fault, parse_cpus, tail)
 
 VLLM_OVERLAY = Path(__file__).resolve().parents[2] / "vllm_overlay"
 if (__name__ in ("__main__", "__mp_main__") and str(VLLM_OVERLAY) not in sys.path
@@ -282,21 +283,6 @@ def current_cpu(stat: Path = Path("/proc/thread-self/stat")) -> int | None:
         return None
 
 
-def parse_cpus(text: str) -> set[int]:
-    """CPUs in Linux's list syntax (``0-3,8``, as ``numactl --physcpubind`` and sysfs's
-    ``local_cpulist`` write them)."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        first, sep, last = part.strip().partition("-")
-        if not first.isdigit() or (sep and not last.isdigit()):
-            raise ValueError(f"{text!r}: give CPUs as a list like 0-3,8")
-        lo, hi = int(first), int(last) if sep else int(first)
-        if hi < lo:
-            raise ValueError(f"{text!r}: the range {part.strip()} runs backwards")
-        cpus.update(range(lo, hi + 1))
-    return cpus
-
-
 def gpu_local_cpus(device: int, devices: Path = Path("/sys/bus/pci/devices")) -> set[int]:
     """The CPUs next to CUDA device ``device`` (the PCI device's ``local_cpulist``: its
     NUMA node's), what vLLM's ``--numa-bind`` gives a worker of that GPU."""
@@ -324,17 +310,6 @@ def pin(cpus: str | None, device: int) -> list[int] | None:
         return None
     os.sched_setaffinity(0, gpu_local_cpus(device) if cpus == "gpu" else parse_cpus(cpus))
     return sorted(os.sched_getaffinity(0))
-
-
-def _cpu_list(cpus: list[int]) -> str:
-    """``cpus`` (sorted) in list syntax: 0-3,8."""
-    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
-    for cpu in cpus:
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def timed_read(xfer: Any, local: Any, local_ids: Any, remote: Any, remote_ids: Any,
@@ -539,7 +514,7 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
             lines.append("         reader's CPUs: " + ", ".join(
                 str(c) for c in sorted({c for c in r["cpus"] if c is not None})))
         if r.get("affinity"):
-            lines.append(f"         pinned to CPUs {_cpu_list(r['affinity'])} (--cpus)")
+            lines.append(f"         pinned to CPUs {cpu_list(r['affinity'])} (--cpus)")
         if "profile" in r:
             lines.append(f"         the reader's reads under cProfile:\n{r['profile']}")
     if "vmm" in results and "stock" in results:

@@ -119,3 +119,29 @@ def failure(rc: int | None, timeout: float, log: Path, lines: int = 5) -> str:
     """One line for a failed ``run_logged`` child: how it ended and its output's last lines."""
     how = f"no result in {timeout:g} s (killed)" if rc is None else describe_exit(rc)
     return f"{how}; log {log.name}: " + " | ".join(tail(log, lines))
+
+
+def parse_cpus(text: str) -> set[int]:
+    """CPUs in Linux's list syntax (``0-3,8``, as ``numactl --physcpubind`` and sysfs's
+    ``local_cpulist`` write them)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        first, sep, last = part.strip().partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{text!r}: give CPUs as a list like 0-3,8")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if hi < lo:
+            raise ValueError(f"{text!r}: the range {part.strip()} runs backwards")
+        cpus.update(range(lo, hi + 1))
+    return cpus
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """``cpus`` (sorted) in list syntax: 0-3,8."""
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

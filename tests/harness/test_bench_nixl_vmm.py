@@ -144,7 +144,7 @@ def test_cpu_lists_are_read_as_linux_writes_them(tmp_path, monkeypatch):
     for bad in ("", "a-3", "3-", "4-2", "1,,2"):
         with pytest.raises(ValueError):
             bench_nixl_vmm.parse_cpus(bad)
-    assert bench_nixl_vmm._cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    assert bench_nixl_vmm.cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
     # The CPUs next to a GPU: its PCI device's local_cpulist (a stand-in for torch's
     # device properties and sysfs, which need a GPU).
     import types

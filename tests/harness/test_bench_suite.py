@@ -105,6 +105,54 @@ def test_the_two_gpu_items_say_why_a_cpu_or_one_gpu_host_skips_them(tmp_path):
     assert "| 5 | P/D over NIXL |  |  | not measured: needs 2 GPUs, this host has 1 |" in md
 
 
+class TransferRunner(Runner):
+    """Answers item 5's transfer invocations (bench_nixl_vmm.py, which needs two GPUs) with
+    fixed figures, keeping each command; the TTFT pairs are left out by the budget."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out, "cuda")
+        self.commands: list[list[str]] = []
+
+    def run_json(self, name, cmd, js, log, timeout):
+        self.commands.append(cmd)
+        cpus = cmd[cmd.index("--cpus") + 1] if "--cpus" in cmd else None
+        vmm = {"gb_per_s": 300.0} | ({"affinity": [2, 3, 4, 5]} if cpus else {})
+        return {"stock": {"gb_per_s": 30.0}, "vmm": vmm, "vmm_ucx": {"gb_per_s": 0.5},
+                "link": {"gb_per_s": 360.0}}, None
+
+
+def test_item_5_places_its_reader_where_asked_and_says_so(tmp_path):
+    prof = CPU | {"repeats": 2, "reader_cpus": "gpu", "elastic": {"model": "tiny-llama"}}
+    runner = TransferRunner(tmp_path)
+    got = item_pd(runner, prof, tmp_path, 2, Budget(0))
+    assert [c[c.index("--cpus"):c.index("--cpus") + 2] for c in runner.commands] == [
+        ["--cpus", "gpu"]] * 2
+    assert got["reader_cpus"] == {"asked": "gpu", "cpus": [2, 3, 4, 5]}
+    assert got["transfer_gbps"]["of_link"]["vmm"]["median"] == pytest.approx(300 / 360)
+    md = render_results({"items": {"pd": got}})
+    assert ("the reader and the link's copy on CPUs 2-5 (next to its GPU, --pd-reader-cpus "
+            "gpu).") in md
+    # Without it the reader runs wherever the kernel puts it, and the report says nothing.
+    runner = TransferRunner(tmp_path)
+    got = item_pd(runner, CPU | {"repeats": 1}, tmp_path, 2, Budget(0))
+    assert all("--cpus" not in c for c in runner.commands) and "reader_cpus" not in got
+    assert "--pd-reader-cpus" not in render_results({"items": {"pd": got}})
+
+
+@pytest.mark.parametrize("cpus, message", [
+    ("3-1", "--pd-reader-cpus '3-1': the range 3-1 runs backwards, or gpu"),
+    ("x", "--pd-reader-cpus 'x': give CPUs as a list like 0-3,8, or gpu"),
+    ("100000", "--pd-reader-cpus 100000: CPU(s) [100000] are not ours to run on"),
+])
+def test_a_bad_reader_cpu_list_stops_the_suite_before_anything_runs(tmp_path, cpus, message):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench.py"),
+                           "--items", "5", "--device", "cpu", "--out", str(tmp_path),
+                           "--pd-reader-cpus", cpus], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and message in done.stderr
+    assert not (tmp_path / "logs").exists()  # not even the probe ran
+
+
 def child_with_fault(tmp_path: Path, monkeypatch, kind: str, fault: str,
                      timeout: float) -> tuple[Runner, dict, float]:
     """Runner.child of a `kind` measurement whose process meets `fault` where it starts
