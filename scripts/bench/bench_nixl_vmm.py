@@ -33,8 +33,11 @@ Prints GB/s per mode (median over ``--iters`` reads after ``--warmup``), the
 vmm/stock ratio and each mode's fraction of the link, and for the NIXL modes
 where a read's time goes on the reader's thread (median ms of
 ``make_prepped_xfer``, of posting it with ``transfer`` and of polling until it is
-done) and the CPUs the reading thread ran on; ``--json`` writes them, and each read's
-phases and CPU in order (``phases_ms``, ``cpus``). On a GPU host with two GPUs (owner on
+done), the CPUs the reading thread ran on, how long it waited runnable for a CPU during
+each read (the kernel's schedstat) and which other threads of the reader were busy
+meanwhile (a NIXL agent's progress thread spins on a CPU of its own); ``--json`` writes
+them, and each read's phases, CPU and wait in order (``phases_ms``, ``cpus``,
+``queued_ms``; ``busy_threads``). On a GPU host with two GPUs (owner on
 cuda:1, reader on cuda:0; UCX picks cuda_ipc where it can)::
 
     python scripts/bench/bench_nixl_vmm.py --kind cuda --json nixl_vmm.json
@@ -75,6 +78,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -235,23 +239,32 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     local = xfer.prep_xfer_dlist("NIXL_INIT_AGENT", xfer.get_xfer_descs(blocks, mem_type))
     remote = xfer.prep_xfer_dlist(peer, xfer.get_xfer_descs(peer_blocks, mem_type))
     rng = np.random.default_rng(0)
-    seconds, phases, cpus = [], [], []
+    seconds, phases, cpus, queued = [], [], [], []
     profiler = cProfile.Profile() if args.profile else None
+    threads: dict[int, tuple[int, int | None]] = {}
+    loop_start = 0.0
     for i in range(args.warmup + args.iters):
         local_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
         remote_ids = rng.choice(args.num_blocks, args.blocks_per_read, replace=False)
-        if profiler is not None and i == args.warmup:
-            profiler.enable()
+        if i == args.warmup:
+            threads, loop_start = thread_cpu_times(), time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+        before = sched_times()
         handle, state, (start, made, posted, done) = timed_read(
             xfer, local, local_ids, remote, remote_ids)
+        after = sched_times()
         assert state == "DONE", f"read ended in state {state}"
         xfer.release_xfer_handle(handle)
         if i >= args.warmup:
             seconds.append(done - start)
             phases.append((made - start, posted - made, done - posted))
             cpus.append(current_cpu())
+            queued.append(None if before is None or after is None else
+                          (after[1] - before[1]) / 1e6)
     if profiler is not None:
         profiler.disable()
+    others = busy_threads(threads, thread_cpu_times(), time.perf_counter() - loop_start)
     fault(f"nixl_vmm:{mode}:reader:read")
     reads = 0
     if same_host is not None:
@@ -269,7 +282,8 @@ def _side(role: str, args: argparse.Namespace, mode: str, conn: Connection) -> d
     _recv(conn, timeout, "word from the owner that the read is over")
     close()
     return _result(args.blocks_per_read * args.block_bytes, seconds, phases) | {
-        "same_host_reads": reads, "cpus": cpus} | (
+        "same_host_reads": reads, "cpus": cpus, "queued_ms": queued,
+        "busy_threads": others} | (
         {"profile": profile_rows(profiler)} if profiler else {})
 
 
@@ -281,6 +295,46 @@ def current_cpu(stat: Path = Path("/proc/thread-self/stat")) -> int | None:
         return int(stat.read_text().rsplit(")", 1)[1].split()[36])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def sched_times(path: Path = Path("/proc/thread-self/schedstat")) -> tuple[int, int] | None:
+    """Nanoseconds this thread has run and has waited runnable for a CPU (the kernel's
+    schedstat), None where the kernel keeps no such figures. A read's host work takes longer
+    where its thread shares a CPU with another busy thread (a NIXL agent's progress thread
+    spins on one), and the wait says so."""
+    try:
+        ran, waited = path.read_text().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
+def thread_cpu_times(tasks: Path = Path("/proc/self/task")) -> dict[int, tuple[int, int | None]]:
+    """Each thread of this process: nanoseconds it has run, and the CPU it last ran on."""
+    out: dict[int, tuple[int, int | None]] = {}
+    try:
+        tids = [int(t.name) for t in tasks.iterdir()]
+    except OSError:
+        return out
+    for tid in tids:
+        times = sched_times(tasks / str(tid) / "schedstat")
+        if times is not None:
+            out[tid] = (times[0], current_cpu(tasks / str(tid) / "stat"))
+    return out
+
+
+def busy_threads(before: dict[int, tuple[int, int | None]],
+                 after: dict[int, tuple[int, int | None]], seconds: float,
+                 at_least: float = 0.2) -> list[dict]:
+    """Threads other than this one that ran at least ``at_least`` of ``seconds`` between the
+    two samples: the share of the time each ran, and the CPU it last ran on."""
+    me = threading.get_native_id()
+    busy = []
+    for tid, (ran, cpu) in sorted(after.items()):
+        share = (ran - before.get(tid, (0, None))[0]) / 1e9 / seconds if seconds > 0 else 0.0
+        if tid != me and share >= at_least:
+            busy.append({"share": round(share, 3), "cpu": cpu})
+    return busy
 
 
 def gpu_local_cpus(device: int, devices: Path = Path("/sys/bus/pci/devices")) -> set[int]:
@@ -513,6 +567,8 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
         if r.get("cpus"):
             lines.append("         reader's CPUs: " + ", ".join(
                 str(c) for c in sorted({c for c in r["cpus"] if c is not None})))
+        if line := contention(r):
+            lines.append("         " + line)
         if r.get("affinity"):
             lines.append(f"         pinned to CPUs {cpu_list(r['affinity'])} (--cpus)")
         if "profile" in r:
@@ -521,6 +577,23 @@ def summary(results: dict[str, Any], modes: list[str]) -> list[str]:
         results["vmm_over_stock"] = results["vmm"]["gb_per_s"] / results["stock"]["gb_per_s"]
         lines.append(f"vmm/stock: {results['vmm_over_stock']:.3f}")
     return lines
+
+
+SAME_CPU = " (the reader's)"
+
+
+def contention(r: dict) -> str:
+    """How much the reader's thread waited for a CPU during its timed reads, and which other
+    threads of its process were busy meanwhile (on the reader's CPU or elsewhere)."""
+    queued = [q for q in r.get("queued_ms") or [] if q is not None]
+    if not queued:
+        return ""
+    mine = {c for c in r.get("cpus") or [] if c is not None}
+    busy = ", ".join(
+        f"CPU {t['cpu']}{SAME_CPU if t['cpu'] in mine else ''} {t['share']:.2f}"
+        for t in r.get("busy_threads") or [])
+    return (f"waited for a CPU, median ms per read {statistics.median(queued):.3f} (max "
+            f"{max(queued):.3f}); other busy threads of the reader: {busy or 'none'}")
 
 
 MODES = ("stock", "vmm", "vmm_ucx", "link")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +137,53 @@ def test_the_cpu_a_thread_runs_on_is_read_from_its_stat(tmp_path):
     stat.write_text("42 (short) S 1 2\n")
     assert bench_nixl_vmm.current_cpu(stat) is None
     assert bench_nixl_vmm.current_cpu(tmp_path / "absent") is None
+
+
+def test_a_readers_wait_for_a_cpu_and_the_busy_threads_beside_it_are_reported(tmp_path):
+    """The kernel's schedstat of a thread (ns run, ns waited runnable), the threads of this
+    process, which of them were busy between two samples, and the summary's line."""
+    stat = tmp_path / "schedstat"
+    stat.write_text("2500000 1500000 7\n")
+    assert bench_nixl_vmm.sched_times(stat) == (2500000, 1500000)
+    stat.write_text("garbage\n")
+    assert bench_nixl_vmm.sched_times(stat) is None
+    assert bench_nixl_vmm.sched_times(tmp_path / "absent") is None
+    # This process's threads, with one that spins while we sample.
+    if bench_nixl_vmm.sched_times() is not None:
+        stop = threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                pass
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        try:
+            first, t0 = bench_nixl_vmm.thread_cpu_times(), time.perf_counter()
+            time.sleep(0.3)
+            busy = bench_nixl_vmm.busy_threads(first, bench_nixl_vmm.thread_cpu_times(),
+                                               time.perf_counter() - t0)
+        finally:
+            stop.set()
+            spinner.join()
+        assert threading.get_native_id() in first and spinner.native_id in first
+        assert len(busy) == 1 and busy[0]["share"] > 0.2  # the spinner; not this thread
+        assert busy[0]["cpu"] in os.sched_getaffinity(0)
+    # Shares from two samples: a thread that ran 0.9 s of 1 s, one that did not run, one
+    # that started between them, and this thread (never listed).
+    me = threading.get_native_id()
+    before = {me: (0, 1), 11: (1_000_000_000, 3), 12: (5, 4)}
+    after = {me: (900_000_000, 1), 11: (1_900_000_000, 1), 12: (5, 4), 13: (500_000_000, 6)}
+    assert bench_nixl_vmm.busy_threads(before, after, 1.0) == [
+        {"share": 0.9, "cpu": 1}, {"share": 0.5, "cpu": 6}]
+    r = {"queued_ms": [0.0, 0.2, None, 0.05], "cpus": [1, 1, 1, 1],
+         "busy_threads": [{"share": 0.9, "cpu": 1}, {"share": 0.5, "cpu": 6}]}
+    assert bench_nixl_vmm.contention(r) == (
+        "waited for a CPU, median ms per read 0.050 (max 0.200); other busy threads of the "
+        "reader: CPU 1 (the reader's) 0.90, CPU 6 0.50")
+    assert bench_nixl_vmm.contention({"queued_ms": [None], "cpus": [1]}) == ""
+    assert bench_nixl_vmm.contention({"queued_ms": [0.0], "busy_threads": []}).endswith(
+        "reader: none")
 
 
 def test_cpu_lists_are_read_as_linux_writes_them(tmp_path, monkeypatch):
