@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Child processes of the benchmarks: every wait on one has a deadline, and a child that fails
-or stalls ends the wait with its exit status and the last lines of its output.
+or stalls ends the wait with its exit status and the last lines of its output. Also the
+CPU lists (Linux's ``0-3,8``) that place a benchmark's timed process and report where it ran.
 
 ``KVSERIES_BENCH_FAULT`` is for tests only: it makes a child fail or stall at a named point
 (``fault``), so that tests can check how a benchmark ends when one of its children does. It
