@@ -80,7 +80,7 @@ from bench_items import (  # noqa: E402
     item_pagemap, item_pd, item_sharing, item_tp2_startup, kvcached_server_env, parse_bytes,
     sharing_modes,
 )
-from bench_proc import exit_on_signals, parse_cpus  # noqa: E402
+from bench_proc import exit_on_signals, unusable_cpus  # noqa: E402
 from bench_report import merge_item, render_results  # noqa: E402
 
 ITEMS = ["throughput", "startup", "elasticity", "pagemap", "pd", "tp2-startup", "sharing"]
@@ -165,12 +165,11 @@ def check_reader_cpus(text: str) -> None:
     if text == "gpu":
         return
     try:
-        missing = parse_cpus(text) - os.sched_getaffinity(0)
+        why = unusable_cpus(text)
     except ValueError as e:
         raise SystemExit(f"--pd-reader-cpus {e}, or gpu") from None
-    if missing:
-        raise SystemExit(f"--pd-reader-cpus {text}: CPU(s) {sorted(missing)} are not ours to "
-                         f"run on (ours: {len(os.sched_getaffinity(0))})")
+    if why:
+        raise SystemExit(f"--pd-reader-cpus {text}: {why}")
 
 
 def parse_items(text: str) -> list[str]:

@@ -87,7 +87,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_proc import (  # noqa: E402
-    cpu_list, describe_exit, die_with_parent, exit_on_signals, fault, parse_cpus, tail)
+    cpu_list, describe_exit, die_with_parent, exit_on_signals, fault, parse_cpus, tail,
+    unusable_cpus)
 
 VLLM_OVERLAY = Path(__file__).resolve().parents[2] / "vllm_overlay"
 if (__name__ in ("__main__", "__mp_main__") and str(VLLM_OVERLAY) not in sys.path
@@ -639,11 +640,9 @@ def main() -> None:
     if args.cpus == "gpu" and args.kind != "cuda":
         parser.error("--cpus gpu needs --kind cuda (the CPUs next to the reader's GPU)")
     if args.cpus and args.cpus != "gpu":
-        ours = os.sched_getaffinity(0)
         try:
-            if missing := parse_cpus(args.cpus) - ours:
-                parser.error(f"--cpus {args.cpus}: CPU(s) {sorted(missing)} are not ours "
-                             f"to run on ({len(ours)} are)")
+            if why := unusable_cpus(args.cpus):
+                parser.error(f"--cpus {args.cpus}: {why}")
         except ValueError as e:
             parser.error(f"--cpus {e}")
     if args.kind == "cuda":

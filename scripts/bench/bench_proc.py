@@ -137,6 +137,15 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def unusable_cpus(text: str) -> str | None:
+    """Why the CPU list ``text`` cannot place a process of ours (CPUs outside our affinity),
+    or None; a ValueError where ``text`` is no CPU list."""
+    ours = os.sched_getaffinity(0)
+    if missing := parse_cpus(text) - ours:
+        return f"CPU(s) {sorted(missing)} are not ours to run on ({len(ours)} are)"
+    return None
+
+
 def cpu_list(cpus: list[int]) -> str:
     """``cpus`` (sorted) in list syntax: 0-3,8."""
     runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
